@@ -1,0 +1,3 @@
+from zerofix.cli import main
+
+raise SystemExit(main())

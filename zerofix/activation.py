@@ -1,0 +1,124 @@
+"""Activation from the environment: the entry point of the ``.pth`` file and of ``zerofix run``.
+
+Precedence: explicit ``zerofix.patch()`` arguments > environment > defaults. Variables:
+
+- ``ZEROFIX``: ``1``/``all``/``true``/``on`` = every fix; a comma list of fix ids = those;
+  ``0``/``false``/``off``/unset = off (under ``zerofix run`` unset means on).
+- ``ZEROFIX_DISABLE``: comma list of fix ids to leave alone.
+- ``ZEROFIX_LOG``: ``debug``/``info``/``warning``: log zerofix's decisions to stderr at that level.
+- ``ZEROFIX_STRICT``: ``1`` raises when a fix's target changed instead of skipping it.
+
+A malformed value gets one warning naming the valid forms, and nothing is patched. Nothing here may
+raise into interpreter start-up.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+OFF = ("0", "false", "off", "no")
+ALL = ("1", "all", "true", "on", "yes")
+LOG_LEVELS = ("debug", "info", "warning")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Settings:
+    enabled: bool
+    fixes: tuple[str, ...] | None  # None = every fix
+    disable: tuple[str, ...]
+    log_level: str | None
+    strict: bool
+
+
+def _id_list(name: str, value: str) -> tuple[str, ...]:
+    from zerofix import catalogue
+
+    items = tuple(v.strip() for v in value.split(",") if v.strip())
+    unknown = [v for v in items if v not in catalogue.ids()]
+    if unknown or not items:
+        raise ConfigError(
+            f"{name}={value!r} is not valid: unknown fix id(s) {', '.join(unknown) or '(none given)'}. "
+            f"Valid forms: {name}=1 (all fixes), {name}=0 (off), or a comma list of: "
+            + ", ".join(catalogue.ids())
+        )
+    return items
+
+
+def read_environment(environ=None, *, default_on: bool = False) -> Settings:
+    """Parse the ZEROFIX_* variables; raises ConfigError naming the valid forms."""
+    env = os.environ if environ is None else environ
+    raw = env.get("ZEROFIX")
+    value = (raw or "").strip().lower()
+    if raw is None or value == "":
+        enabled, fixes = default_on, None
+    elif value in OFF:
+        enabled, fixes = False, None
+    elif value in ALL:
+        enabled, fixes = True, None
+    else:
+        enabled, fixes = True, _id_list("ZEROFIX", raw)
+
+    disable_raw = env.get("ZEROFIX_DISABLE", "").strip()
+    disable = _id_list("ZEROFIX_DISABLE", disable_raw) if disable_raw else ()
+
+    log_raw = env.get("ZEROFIX_LOG", "").strip().lower()
+    if log_raw and log_raw not in LOG_LEVELS:
+        raise ConfigError(f"ZEROFIX_LOG={env.get('ZEROFIX_LOG')!r} is not valid; use one of: "
+                          + ", ".join(LOG_LEVELS))
+    strict_raw = env.get("ZEROFIX_STRICT", "").strip().lower()
+    if strict_raw and strict_raw not in OFF + ALL:
+        raise ConfigError(f"ZEROFIX_STRICT={env.get('ZEROFIX_STRICT')!r} is not valid; use 1 or 0")
+    return Settings(enabled, fixes, disable, log_raw or None, strict_raw in ALL)
+
+
+_warned = False
+
+
+def _warn_once(message: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        sys.stderr.write(f"zerofix: warning: {message}; zerofix patched nothing.\n")
+
+
+def configure_logging(level: str) -> None:
+    import logging
+
+    from zerofix._log import logger
+
+    log = logger()
+    if not any(getattr(h, "_zerofix", False) for h in log.handlers):
+        handler = logging.StreamHandler()
+        rank = os.environ.get("RANK")
+        prefix = f"[zerofix rank {rank}]" if rank is not None else "[zerofix]"
+        handler.setFormatter(logging.Formatter(prefix + " %(levelname)s %(message)s"))
+        handler._zerofix = True
+        log.addHandler(handler)
+    log.setLevel(level.upper())
+
+
+def autopatch(*, default_on: bool = False):
+    """Patch according to the environment. Never raises (except StrictError when asked for)."""
+    try:
+        settings = read_environment(default_on=default_on)
+    except ConfigError as exc:
+        _warn_once(str(exc))
+        return None
+    if not settings.enabled:
+        return None
+    if settings.log_level:
+        configure_logging(settings.log_level)
+    from zerofix import patching
+
+    try:
+        return patching.patch(settings.fixes, settings.disable, strict=settings.strict)
+    except patching.StrictError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - start-up must go on
+        _warn_once(f"activation failed: {type(exc).__name__}: {exc}")
+        return None

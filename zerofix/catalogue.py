@@ -1,0 +1,76 @@
+"""The fixes zerofix knows, as plain data.
+
+Each entry says *what* is broken (title, upstream references), *where* (distribution and the PEP 440
+range of affected releases) and *how* it is patched (target attributes in their defining submodules and
+the implementation module holding the wrappers). Importing this module imports no ML library, so the
+README, the CLI and the start-up hook can read it for free.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Target:
+    """One attribute to wrap: ``module`` is the *defining* submodule (the post-import hook fires on it),
+    ``attribute`` a dotted path inside it (``Class.method``), ``wrapper`` the name of the wrapper
+    function ``(wrapped, instance, args, kwargs)`` in the fix's implementation module."""
+
+    module: str
+    attribute: str
+    wrapper: str
+
+
+@dataclass(frozen=True)
+class Fix:
+    id: str
+    title: str
+    dist: str  # the distribution whose installed version decides (importlib.metadata name)
+    affected: str  # PEP 440 specifier of the broken releases, evaluated with prereleases allowed
+    targets: tuple[Target, ...]
+    implementation: str  # module with the wrappers and a ``structural_check(modules) -> str | None``
+    upstream: tuple[str, ...] = ()
+    fixed_in: str | None = None  # first upstream release with the fix, for humans
+    where: str = ""  # the code path that shows the bug, for humans
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(t.module for t in self.targets))
+
+
+FIXES: tuple[Fix, ...] = (
+    Fix(
+        id="transformers-accelerate-double-division",
+        title="Trainer without DeepSpeed divides the loss by gradient_accumulation_steps twice",
+        dist="transformers",
+        affected=">=5.2.0,<5.5.4",
+        targets=(
+            Target("transformers.trainer", "Trainer.training_step", "training_step"),
+        ),
+        implementation="zerofix.fixes.transformers_accelerate_double_division",
+        upstream=(
+            "https://github.com/huggingface/transformers/issues/45305",
+            "https://github.com/huggingface/transformers/pull/45349",
+        ),
+        fixed_in="5.5.4",
+        where="Trainer without DeepSpeed (1 process or DDP), gradient_accumulation_steps > 1: "
+        "updates are 1/GAS of the correct ones",
+    ),
+)
+
+
+def ids() -> tuple[str, ...]:
+    return tuple(f.id for f in FIXES)
+
+
+def by_id(fix_id: str) -> Fix:
+    for fix in FIXES:
+        if fix.id == fix_id:
+            return fix
+    raise KeyError(fix_id)
+
+
+def unknown_ids_error(unknown) -> ValueError:
+    return ValueError(
+        f"unknown zerofix fix id(s): {', '.join(sorted(unknown))}; valid ids: {', '.join(ids())}"
+    )

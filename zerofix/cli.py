@@ -1,0 +1,119 @@
+"""``zerofix status | run | catalogue`` (also ``python -m zerofix``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
+
+
+def _status(args) -> int:
+    import importlib
+
+    from zerofix import catalogue, patching
+
+    if args.apply:
+        # Show what patch() really does here: enable, then import every target module.
+        patching.patch()
+        for fix in catalogue.FIXES:
+            for module in fix.modules:
+                if patching.installed_version(fix.dist) is not None:
+                    try:
+                        importlib.import_module(module)
+                    except Exception as exc:  # noqa: BLE001 - reported as the fix's failure
+                        sys.stderr.write(f"zerofix: could not import {module}: {exc!r}\n")
+    records = patching.status()
+    if args.json:
+        print(json.dumps([r.to_dict() for r in records], indent=2))
+        return 0
+    rows = [("fix", "state", "installed", "affected", "reason")]
+    rows += [(r.id, r.state, f"{r.dist} {r.installed or '-'}", r.affected, r.reason) for r in records]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+    return 0
+
+
+def markdown_table() -> str:
+    """The README's fix table, generated from the catalogue (a test keeps the README in sync)."""
+    from zerofix import catalogue
+
+    lines = ["| fix | library | affected releases | fixed upstream in | where | upstream |",
+             "|---|---|---|---|---|---|"]
+    for fix in catalogue.FIXES:
+        links = ", ".join(f"[{u.rstrip('/').split('/')[-2]} #{u.rstrip('/').split('/')[-1]}]({u})"
+                          for u in fix.upstream)
+        lines.append(f"| `{fix.id}` | {fix.dist} | `{fix.affected}` | {fix.fixed_in or 'not yet'} "
+                     f"| {fix.where} | {links} |")
+    return "\n".join(lines)
+
+
+def _catalogue(args) -> int:
+    from zerofix import catalogue
+
+    if args.markdown:
+        print(markdown_table())
+    else:
+        for fix in catalogue.FIXES:
+            print(f"{fix.id}: {fix.title} [{fix.dist} {fix.affected}]")
+    return 0
+
+
+def run_environment(environ, fixes=None, disable=None) -> dict:
+    """The environment ``zerofix run`` gives its command: the bootstrap directory first on PYTHONPATH
+    (activation by itself, and launchers forward PYTHON* variables to every rank and node)."""
+    env = dict(environ)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != BOOTSTRAP_DIR]
+    env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *parts])
+    if fixes:
+        env["ZEROFIX"] = fixes
+    if disable:
+        env["ZEROFIX_DISABLE"] = disable
+    return env
+
+
+def _run(args, parser) -> int:
+    from zerofix.activation import ConfigError, read_environment
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("run needs a command: zerofix run -- torchrun --nproc_per_node 2 train.py")
+    env = run_environment(os.environ, args.fixes, args.disable)
+    try:
+        read_environment(env, default_on=True)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    try:
+        os.execvpe(command[0], command, env)
+    except FileNotFoundError:
+        parser.error(f"command not found: {command[0]}")
+    return 0  # not reached
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zerofix", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("status", help="what each fix does on the installed libraries")
+    p.add_argument("--json", action="store_true", help="machine-readable records")
+    p.add_argument("--apply", action="store_true",
+                   help="call zerofix.patch() and import the target modules first, to show the real outcome")
+    p = sub.add_parser("catalogue", help="list the known fixes")
+    p.add_argument("--markdown", action="store_true", help="the README table")
+    p = sub.add_parser("run", help="run a command (torchrun, deepspeed, accelerate launch, python) with "
+                                   "zerofix active in every Python process it starts")
+    p.add_argument("--fixes", help="comma list of fix ids (default: all)")
+    p.add_argument("--disable", help="comma list of fix ids to leave alone")
+    p.add_argument("command", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd == "status":
+        return _status(args)
+    if args.cmd == "catalogue":
+        return _catalogue(args)
+    return _run(args, parser)

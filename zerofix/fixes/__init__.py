@@ -1,0 +1,1 @@
+"""One thin module per fix: its wrappers and its structural check, nothing else."""

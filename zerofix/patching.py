@@ -1,0 +1,253 @@
+"""Applies and reverts catalogue entries.
+
+One fix goes through: selection (``patch(fixes, exclude)``) -> post-import hook on each defining
+submodule -> version guard (PEP 440, prereleases allowed) -> structural guard (the implementation's
+``structural_check``) -> wrapt ``FunctionWrapper`` installed at class level on every target, all or
+nothing. An identity registry keyed on ``(owner, name)`` keeps the raw ``vars(owner)[name]`` so that
+``unpatch()`` puts back exactly what was there (or removes the attribute if it was inherited).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import threading
+from dataclasses import asdict, dataclass, replace
+
+from zerofix import catalogue, importhooks
+from zerofix._log import log
+
+# States of a fix, as reported by status().
+APPLIED = "applied"
+PENDING = "pending-import"
+NOT_INSTALLED = "not-installed"
+NOT_AFFECTED = "not-affected"
+TARGET_CHANGED = "target-changed"
+DISABLED = "disabled"
+FAILED = "failed"
+INACTIVE = "inactive"  # in range, but patch() was not asked for it
+
+
+class StrictError(RuntimeError):
+    """Raised instead of skipping a fix when ``strict=True`` / ``ZEROFIX_STRICT=1``."""
+
+
+@dataclass
+class Record:
+    id: str
+    state: str
+    dist: str
+    installed: str | None
+    affected: str
+    reason: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Installed:
+    owner: object
+    name: str
+    raw: object  # what vars(owner)[name] held, or None when the attribute was inherited
+    had_own: bool
+    wrapper: object
+
+
+_lock = threading.RLock()
+_enabled: dict[str, bool] = {}  # fix id -> strict
+_records: dict[str, Record] = {}
+_installed: dict[str, list[_Installed]] = {}  # fix id -> wrappers it installed
+_registry: dict[tuple[int, str], _Installed] = {}  # (id(owner), name) -> what zerofix put there
+
+
+# ----------------------------------------------------------------------------- guards
+def installed_version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def version_in_range(version: str, affected: str) -> bool:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    return SpecifierSet(affected).contains(Version(version), prereleases=True)
+
+
+def _version_record(fix: catalogue.Fix) -> Record | None:
+    """The record for a fix whose version guard says no, else None."""
+    version = installed_version(fix.dist)
+    if version is None:
+        return Record(fix.id, NOT_INSTALLED, fix.dist, None, fix.affected, f"{fix.dist} is not installed")
+    if not version_in_range(version, fix.affected):
+        fixed = f"; fixed upstream in {fix.fixed_in}" if fix.fixed_in else ""
+        return Record(
+            fix.id, NOT_AFFECTED, fix.dist, version, fix.affected,
+            f"{fix.dist} {version} is outside the affected range {fix.affected}{fixed}",
+        )
+    return None
+
+
+def _resolve(target: catalogue.Target):
+    """(owner, name, current value) of a dotted attribute inside its module."""
+    owner = sys.modules[target.module]
+    *path, name = target.attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name, getattr(owner, name)
+
+
+# ----------------------------------------------------------------------------- selection
+def select(fixes=None, exclude=()) -> tuple[list[str], set[str]]:
+    """Validate ids before anything is touched: unknown ids raise ValueError listing the valid ones."""
+    valid = catalogue.ids()
+    if isinstance(fixes, str) or isinstance(exclude, str):
+        raise TypeError("fixes and exclude take a list of fix ids, e.g. patch(fixes=['%s'])" % valid[0])
+    wanted = list(valid) if fixes is None else list(dict.fromkeys(fixes))
+    excluded = set(exclude)
+    unknown = (set(wanted) | excluded) - set(valid)
+    if unknown:
+        raise catalogue.unknown_ids_error(unknown)
+    return [f for f in wanted if f not in excluded], excluded
+
+
+def patch(fixes=None, exclude=(), *, strict: bool | None = None) -> list[Record]:
+    """Enable fixes (all by default). Fixes whose modules are imported are applied now, the others
+    when their defining submodule is imported. Calling it again is a no-op for enabled fixes."""
+    selected, excluded = select(fixes, exclude)
+    if strict is None:
+        strict = os.environ.get("ZEROFIX_STRICT", "").strip().lower() in ("1", "true", "on", "yes")
+    with _lock:
+        for fix in catalogue.FIXES:
+            if fix.id in _enabled:
+                continue
+            if fix.id not in selected:
+                why = "excluded" if fix.id in excluded else "not selected"
+                _records[fix.id] = Record(fix.id, DISABLED, fix.dist, None, fix.affected, why)
+                continue
+            _enabled[fix.id] = strict
+            _records[fix.id] = Record(
+                fix.id, PENDING, fix.dist, None, fix.affected,
+                "applies when " + " and ".join(fix.modules) + " is imported",
+            )
+            for module in fix.modules:
+                importhooks.when_imported(module, lambda _m, fix_id=fix.id: _on_import(fix_id))
+    return status()
+
+
+def _on_import(fix_id: str) -> None:
+    fix = catalogue.by_id(fix_id)
+    if all(m in sys.modules for m in fix.modules):
+        apply(fix)
+
+
+def apply(fix: catalogue.Fix) -> Record:
+    """Apply one enabled fix whose modules are all imported. Never half-applied; never raises except
+    StrictError in strict mode."""
+    with _lock:
+        if fix.id not in _enabled:  # hooks outlive unpatch(); the live flag decides
+            return _records.get(fix.id)
+        if fix.id in _installed:
+            return _records[fix.id]
+        strict = _enabled[fix.id]
+        try:
+            record = _version_record(fix)
+            if record is None:
+                record = _install(fix)
+        except Exception as exc:  # noqa: BLE001 - contained and reported, see status()
+            record = Record(fix.id, FAILED, fix.dist, installed_version(fix.dist), fix.affected,
+                            f"{type(exc).__name__}: {exc}")
+        _records[fix.id] = record
+        level = {APPLIED: "info", TARGET_CHANGED: "warning", FAILED: "warning"}.get(record.state, "debug")
+        log(level, "%s: %s (%s)", fix.id, record.state, record.reason)
+        if strict and record.state in (TARGET_CHANGED, FAILED):
+            raise StrictError(f"zerofix fix {fix.id} was not applied: {record.reason} "
+                              "(unset ZEROFIX_STRICT to skip it with a warning instead)")
+        return record
+
+
+def _install(fix: catalogue.Fix) -> Record:
+    version = installed_version(fix.dist)
+    impl = importlib.import_module(fix.implementation)
+    resolved = {}
+    for target in fix.targets:
+        try:
+            resolved[target.attribute] = _resolve(target)
+        except AttributeError as exc:
+            return Record(fix.id, TARGET_CHANGED, fix.dist, version, fix.affected,
+                          f"{target.module}.{target.attribute} not found ({exc})")
+    drift = impl.structural_check({attr: value for attr, (_, _, value) in resolved.items()})
+    if drift:
+        return Record(fix.id, TARGET_CHANGED, fix.dist, version, fix.affected, drift)
+
+    import wrapt
+
+    done: list[_Installed] = []
+    try:
+        for target in fix.targets:
+            owner, name, _ = resolved[target.attribute]
+            if (id(owner), name) in _registry:
+                raise RuntimeError(f"{target.module}.{target.attribute} is already wrapped by zerofix")
+            had_own = name in vars(owner)
+            raw = vars(owner)[name] if had_own else getattr(owner, name)
+            wrapper = wrapt.FunctionWrapper(raw, getattr(impl, target.wrapper))
+            setattr(owner, name, wrapper)
+            entry = _Installed(owner, name, raw if had_own else None, had_own, wrapper)
+            _registry[(id(owner), name)] = entry
+            done.append(entry)
+    except BaseException:
+        for entry in reversed(done):  # all or nothing
+            _restore(entry)
+        raise
+    _installed[fix.id] = done
+    where = ", ".join(f"{t.module}.{t.attribute}" for t in fix.targets)
+    return Record(fix.id, APPLIED, fix.dist, version, fix.affected,
+                  f"{fix.dist} {version} is in {fix.affected}; wrapped {where}")
+
+
+def _restore(entry: _Installed) -> None:
+    if entry.had_own:
+        setattr(entry.owner, entry.name, entry.raw)
+    elif vars(entry.owner).get(entry.name) is entry.wrapper:
+        delattr(entry.owner, entry.name)
+    _registry.pop((id(entry.owner), entry.name), None)
+
+
+def unpatch(fixes=None) -> list[Record]:
+    """Disable fixes (all by default) and restore exactly what was there before."""
+    selected, _ = select(fixes)
+    with _lock:
+        for fix_id in selected:
+            _enabled.pop(fix_id, None)
+            for entry in reversed(_installed.pop(fix_id, [])):
+                _restore(entry)
+            _records.pop(fix_id, None)
+    return status()
+
+
+# ----------------------------------------------------------------------------- status
+def status() -> list[Record]:
+    """One record per catalogue entry. Version facts are computed here, lazily, so that patch() at
+    interpreter start-up costs no metadata lookup."""
+    out = []
+    with _lock:
+        for fix in catalogue.FIXES:
+            record = _records.get(fix.id)
+            if record is None or record.state in (PENDING, DISABLED):
+                guard = _version_record(fix)
+                if guard is not None and (record is None or record.state == PENDING):
+                    record = guard
+                elif record is None:
+                    record = Record(fix.id, INACTIVE, fix.dist, None, fix.affected,
+                                    "in range; enable with zerofix.patch() or ZEROFIX=1")
+                record = replace(record, installed=installed_version(fix.dist))
+            out.append(record)
+    return out
+
+
+def is_applied(fix_id: str) -> bool:
+    return fix_id in _installed
