@@ -1,0 +1,50 @@
+"""Run a scenario under ``torchrun`` (gloo, CPU) in a subprocess and collect each rank's JSON."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def scenario_env(extra: dict | None = None) -> dict:
+    """A quiet, offline, CPU-only environment with one thread per rank (2 cores, 2 ranks)."""
+    env = dict(os.environ)
+    env.update({
+        "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+        "WANDB_DISABLED": "true", "PYTHONUNBUFFERED": "1", "TRANSFORMERS_VERBOSITY": "error",
+        "PYTHONWARNINGS": "ignore",
+    })
+    # DeepSpeed JIT-builds a CPU op; a cache shared between environments gets corrupted.
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, ".torch_extensions"))
+    env.update(extra or {})
+    return env
+
+
+def torchrun(module: str, args: list[str], *, nproc: int, out_dir: Path, timeout: float = 600,
+             env: dict | None = None, python: str = sys.executable, launcher_prefix=()) -> list[dict]:
+    """Launch ``python -m module args`` on ``nproc`` ranks; return the ranks' ``rank{r}.json`` records
+    (every file matching ``**/rank*.json`` under out_dir, sorted). ``launcher_prefix`` goes before the
+    interpreter (e.g. ``zerofix run --``)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [*launcher_prefix, python, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node", str(nproc), "-m", module, *args, "--out", str(out_dir)]
+    try:
+        proc = subprocess.run(cmd, env=scenario_env(env), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stdout or b"")[-6000:]
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        raise LaunchError(f"{module} timed out after {timeout:.0f}s on {nproc} rank(s)\n{tail}") from None
+    (out_dir / "launcher.log").write_text(proc.stdout)
+    if proc.returncode != 0:
+        raise LaunchError(f"{module} failed on {nproc} rank(s) (exit {proc.returncode}); last lines "
+                          f"of the ranks' output:\n" + "\n".join(proc.stdout.splitlines()[-60:]))
+    return [json.loads(p.read_text()) for p in sorted(out_dir.glob("**/rank*.json"))]

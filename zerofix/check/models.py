@@ -1,0 +1,96 @@
+"""Tiny randomly initialised models and a deterministic token dataset (nothing is downloaded).
+
+Two model kinds cover the two normalisation paths of the Trainer:
+- ``causal-lm``: a transformers LlamaForCausalLM, whose forward takes loss kwargs (num_items_in_batch);
+- ``custom``: a module whose forward has no ``**kwargs``, returning the mean loss of its micro-batch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB = 64
+SEQ = 12
+IGNORE = -100
+MODEL_KINDS = ("causal-lm", "custom")
+
+
+class TinyNoKwargsLM(nn.Module):
+    """Embedding -> MLP -> vocabulary, next-token loss averaged over the micro-batch's counted tokens."""
+
+    def __init__(self, vocab: int = VOCAB, hidden: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
+        self.head = nn.Linear(hidden, vocab)
+        # Small weights, so fp32 rounding of the stored weights stays far below the update.
+        nn.init.normal_(self.embed.weight, std=0.1)
+
+    def forward(self, input_ids, labels=None, attention_mask=None):
+        logits = self.head(self.mlp(self.embed(input_ids)))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1),
+                ignore_index=IGNORE,
+            )
+        return out
+
+
+def build_model(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "custom":
+        return TinyNoKwargsLM()
+    if kind == "causal-lm":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            tie_word_embeddings=False, attn_implementation="eager",
+        )
+        return LlamaForCausalLM(config)
+    raise ValueError(f"unknown model kind {kind!r}; choose from {MODEL_KINDS}")
+
+
+def sample(index: int, seed: int = 0) -> dict:
+    """Sample ``index``: random tokens of a random length (so micro-batches count different numbers
+    of tokens), right-padded. Labels ignore the padding and position 0: the Trainer counts unshifted
+    labels while causal LMs predict shifted ones, and a label at position 0 would make the two differ."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    length = int(torch.randint(3, SEQ + 1, (1,), generator=g))
+    ids = torch.randint(1, VOCAB, (SEQ,), generator=g)
+    mask = (torch.arange(SEQ) < length).long()
+    ids = ids * mask
+    labels = ids.masked_fill(mask == 0, IGNORE)
+    labels[0] = IGNORE
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def collate(indices, seed: int = 0) -> dict:
+    items = [sample(i, seed) for i in indices]
+    return {k: torch.stack([it[k] for it in items]) for k in items[0]}
+
+
+def token_loss_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, int]:
+    """(sum of next-token cross-entropies, number of counted tokens) of one micro-batch."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    logits = out["logits"] if isinstance(out, dict) else out.logits
+    targets = batch["labels"][:, 1:].reshape(-1)
+    total = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), targets,
+                            ignore_index=IGNORE, reduction="sum")
+    return total, int((targets != IGNORE).sum())
+
+
+class IndexedDataset(torch.utils.data.Dataset):
+    """Items carry their index so the training script can record exactly what each rank consumed."""
+
+    def __init__(self, size: int, seed: int = 0):
+        self.size, self.seed = size, seed
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        return {"sample_idx": index, **sample(index, self.seed)}

@@ -1,0 +1,70 @@
+"""The single-process reference: what the parameters should be after training on exactly the samples
+the ranks consumed.
+
+The loss the user means, per accumulation window (all micro-batches of all ranks between two optimizer
+steps): ``token-mean`` = sum of every counted token's loss / number of counted tokens (models taking
+loss kwargs); ``batch-mean`` = mean of the micro-batch means (models without them). Computed in
+float64, so the comparison measures the distributed run's error, not the reference's.
+"""
+from __future__ import annotations
+
+import torch
+
+from zerofix.check import models
+
+LOSS_MODES = ("token-mean", "batch-mean")
+
+
+def reference_state(kind: str, init_state: dict, windows, *, loss_mode: str, optimizer_factory,
+                    seed: int = 0) -> dict:
+    """Parameters after one optimizer step per window.
+
+    ``windows``: one entry per optimizer step, each a list of micro-batches (lists of sample indices)
+    from every rank. ``optimizer_factory(params)`` builds the same optimizer the run used.
+    """
+    if loss_mode not in LOSS_MODES:
+        raise ValueError(f"loss_mode must be one of {LOSS_MODES}")
+    model = models.build_model(kind, seed).double()
+    model.load_state_dict({k: v.double() for k, v in init_state.items()})
+    model.train()
+    optimizer = optimizer_factory(model.parameters())
+    for window in windows:
+        optimizer.zero_grad(set_to_none=True)
+        sums, counts = zip(*(models.token_loss_sum(model, models.collate(mb, seed)) for mb in window))
+        if loss_mode == "token-mean":
+            loss = torch.stack(sums).sum() / sum(counts)
+        else:
+            loss = torch.stack([s / c for s, c in zip(sums, counts)]).mean()
+        loss.backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def compare(init: dict, measured: dict, reference: dict) -> dict:
+    """How the measured update (measured - init) relates to the reference update, over all parameters:
+    ``rel_err`` = max |du - dr| / max |dr|; ``ratio`` = <du, dr> / <dr, dr>; ``cosine``."""
+    du = torch.cat([(measured[k].double() - init[k].double()).flatten() for k in sorted(reference)])
+    dr = torch.cat([(reference[k].double() - init[k].double()).flatten() for k in sorted(reference)])
+    scale = dr.abs().max().item()
+    if scale == 0:
+        raise ValueError("the reference update is zero: the scenario trains nothing")
+    return {
+        "rel_err": (du - dr).abs().max().item() / scale,
+        "ratio": (du @ dr).item() / (dr @ dr).item(),
+        "cosine": (du @ dr).item() / max(du.norm().item() * dr.norm().item(), 1e-300),
+        "update_norm": du.norm().item(),
+        "reference_norm": dr.norm().item(),
+    }
+
+
+def windows_from_ranks(rank_records: list[dict]) -> list[list[list[int]]]:
+    """Merge the per-rank records (``windows``: per step, the micro-batches that rank consumed)."""
+    steps = {len(r["windows"]) for r in rank_records}
+    if len(steps) != 1:
+        raise ValueError(f"ranks took different numbers of optimizer steps: {sorted(steps)}")
+    return [[mb for r in rank_records for mb in r["windows"][s]] for s in range(steps.pop())]
+
+
+def sgd(lr: float):
+    return lambda params: torch.optim.SGD(params, lr=lr)
+

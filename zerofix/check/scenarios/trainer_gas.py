@@ -1,0 +1,105 @@
+"""Trainer with gradient accumulation on a tiny model, without DeepSpeed (1 process or DDP over gloo).
+
+Writes, per variant (``unpatched`` and/or ``patched``): ``<out>/<variant>/rank{r}.json`` with the
+sample indices each rank consumed per optimizer step, and (rank 0) ``final.pt``; ``<out>/init.pt`` holds
+the initial weights. ``--zerofix both`` trains unpatched, then calls ``zerofix.patch()`` and trains a new
+Trainer, which also exercises patching after transformers was imported.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", choices=("causal-lm", "custom"), default="causal-lm")
+    p.add_argument("--gas", type=int, default=8)
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--bs", type=int, default=2)
+    p.add_argument("--samples", type=int, default=0, help="dataset size (default: exactly --steps windows)")
+    p.add_argument("--lr", type=float, default=5.0,
+                   help="large, so the update dominates the fp32 rounding of weights near 1.0 (norms)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--zerofix", choices=("off", "on", "both", "env"), default="both",
+                   help="env: leave activation to ZEROFIX / zerofix run")
+    p.add_argument("--no-average-tokens", action="store_true")
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def train(args, variant: str, out: Path, world: int, rank: int) -> None:
+    import torch
+    from torch.utils.data import SequentialSampler
+    from transformers import Trainer, TrainingArguments
+
+    import zerofix
+    from zerofix.check import models
+
+    model = models.build_model(args.model, args.seed)
+    if rank == 0 and not (out / "init.pt").exists():
+        torch.save(model.state_dict(), out / "init.pt")
+    size = args.samples or args.steps * args.gas * args.bs * world
+    dataset = models.IndexedDataset(size, args.seed)
+    windows: dict[int, list[list[int]]] = {}
+
+    class RecordingTrainer(Trainer):
+        def _get_train_sampler(self, *a, **k):
+            return SequentialSampler(self.train_dataset)
+
+        def compute_loss(self, model, inputs, *a, **k):
+            idx = inputs.pop("sample_idx")
+            windows.setdefault(self.state.global_step, []).append([int(i) for i in idx])
+            return super().compute_loss(model, inputs, *a, **k)
+
+    training_args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="zerofix-trainer-"), per_device_train_batch_size=args.bs,
+        gradient_accumulation_steps=args.gas, max_steps=args.steps if not args.samples else -1,
+        num_train_epochs=1, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, max_grad_norm=0.0, optim="sgd", report_to="none", save_strategy="no",
+        logging_strategy="no", use_cpu=True, seed=args.seed, dataloader_num_workers=0,
+        remove_unused_columns=False, disable_tqdm=True,
+        average_tokens_across_devices=not args.no_average_tokens,
+        **({"ddp_backend": "gloo"} if world > 1 else {}),
+    )
+    trainer = RecordingTrainer(model=model, args=training_args, train_dataset=dataset,
+                               data_collator=lambda items: {k: torch.stack([torch.as_tensor(it[k]) for it in items])
+                                                            for k in items[0]})
+    trainer.train()
+    vdir = out / variant
+    vdir.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, vdir / "final.pt")
+    record = {
+        "rank": rank, "world": world, "variant": variant, "model": args.model, "gas": args.gas,
+        "windows": [windows[s] for s in sorted(windows)],
+        "status": [r.to_dict() for r in zerofix.status()],
+    }
+    (vdir / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = Path(args.out)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        from accelerate import PartialState
+
+        PartialState(backend="gloo")  # accelerate >= 1.13 on CPU otherwise sees one process
+    import zerofix
+
+    if args.zerofix in ("off", "both"):
+        train(args, "unpatched", out, world, rank)
+    if args.zerofix in ("on", "both"):
+        zerofix.patch()
+        train(args, "patched", out, world, rank)
+    if args.zerofix == "env":
+        train(args, "env", out, world, rank)
+
+
+if __name__ == "__main__":
+    main()
