@@ -33,8 +33,9 @@ def when_imported(name: str, callback) -> None:
 def _run(callback, module) -> None:
     try:
         callback(module)
-    except Exception:  # a hook never breaks the user's import; the callback records its own failure
-        pass
+    except Exception as exc:  # a hook never breaks the user's import; the callback records its failure
+        if getattr(exc, "raise_from_hook", False):  # ... unless the user asked for that (strict mode)
+            raise
 
 
 def _fire(name: str, module) -> None:

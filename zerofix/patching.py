@@ -29,7 +29,10 @@ INACTIVE = "inactive"  # in range, but patch() was not asked for it
 
 
 class StrictError(RuntimeError):
-    """Raised instead of skipping a fix when ``strict=True`` / ``ZEROFIX_STRICT=1``."""
+    """Raised instead of skipping a fix when ``strict=True`` / ``ZEROFIX_STRICT=1``, also from the
+    import that triggered the fix."""
+
+    raise_from_hook = True
 
 
 @dataclass

@@ -1,0 +1,94 @@
+"""Shared test set-up: stack selection and subprocess helpers.
+
+Stack-specific regression tests carry ``@pytest.mark.stack("NAME")`` and run only on that stack. The
+stack is detected by matching the installed key libraries against ``constraints/*.txt`` (``--stack``
+overrides; a stack whose versions are not installed is an error, so a regression test never silently
+runs on the wrong libraries).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY_DISTS = ("torch", "transformers", "accelerate", "deepspeed", "trl")
+
+
+def stack_pins(name: str) -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "constraints" / f"{name}.txt").read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            dist, version = line.split("==", 1)
+            pins[dist.strip().lower()] = version.strip()
+    return pins
+
+
+def installed(dist: str) -> str | None:
+    try:
+        return metadata.version(dist).split("+")[0]
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def stack_mismatches(name: str) -> list[str]:
+    pins = stack_pins(name)
+    return [f"{d} {installed(d)} != {pins[d]}" for d in KEY_DISTS if d in pins and installed(d) != pins[d]]
+
+
+def detect_stack() -> str | None:
+    for path in sorted((ROOT / "constraints").glob("*.txt")):
+        if not stack_mismatches(path.stem):
+            return path.stem
+    return None
+
+
+def pytest_addoption(parser):
+    parser.addoption("--stack", default="auto",
+                     help="stack whose regression tests run (default: detected from installed versions)")
+
+
+def pytest_configure(config):
+    name = config.getoption("--stack")
+    if name == "auto":
+        name = detect_stack()
+    elif not (ROOT / "constraints" / f"{name}.txt").exists():
+        raise pytest.UsageError(f"--stack {name}: no constraints/{name}.txt")
+    elif stack_mismatches(name):
+        raise pytest.UsageError(f"--stack {name} but this interpreter has {', '.join(stack_mismatches(name))}; "
+                                f"run it with .venvs/{name}/bin/python (make test STACK={name})")
+    config._zerofix_stack = name
+
+
+def pytest_report_header(config):
+    return f"zerofix stack: {config._zerofix_stack or 'none (stack tests skipped)'}"
+
+
+def pytest_collection_modifyitems(config, items):
+    stack = config._zerofix_stack
+    for item in items:
+        marker = item.get_closest_marker("stack")
+        if marker and stack not in marker.args:
+            item.add_marker(pytest.mark.skip(reason=f"runs on stack {'/'.join(marker.args)}, this is {stack}"))
+
+
+@pytest.fixture(scope="session")
+def stack(request):
+    return request.config._zerofix_stack
+
+
+def run_python(code: str, *, env: dict | None = None, cwd=None, timeout: float = 120,
+               check: bool = True, args=()) -> subprocess.CompletedProcess:
+    """Run a snippet in a fresh interpreter (the one running the tests), ZEROFIX_* cleared unless given."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROFIX")}
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=full_env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\nSTDOUT:\n{proc.stdout}\nSTDERR:\n{proc.stderr}")
+    return proc

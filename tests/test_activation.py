@@ -1,0 +1,120 @@
+"""Activation without code changes: environment parsing, the .pth file, ``zerofix run``."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_python
+from zerofix import catalogue
+from zerofix.activation import ConfigError, read_environment
+from zerofix.cli import BOOTSTRAP_DIR, run_environment
+
+FIX = catalogue.ids()[0]
+
+
+@pytest.mark.parametrize("value", [None, "", "0", "false", "OFF", " no "])
+def test_off_values(value):
+    env = {} if value is None else {"ZEROFIX": value}
+    assert read_environment(env).enabled is False
+
+
+@pytest.mark.parametrize("value", ["1", "all", "TRUE", "on"])
+def test_all_values(value):
+    s = read_environment({"ZEROFIX": value})
+    assert s.enabled and s.fixes is None
+
+
+def test_id_lists_and_disable():
+    s = read_environment({"ZEROFIX": f" {FIX} ,", "ZEROFIX_DISABLE": FIX, "ZEROFIX_LOG": "INFO",
+                          "ZEROFIX_STRICT": "1"})
+    assert s.fixes == (FIX,) and s.disable == (FIX,) and s.log_level == "info" and s.strict
+
+
+def test_bootstrap_default_is_on_but_zero_still_wins():
+    assert read_environment({}, default_on=True).enabled
+    assert not read_environment({"ZEROFIX": "0"}, default_on=True).enabled
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"ZEROFIX": "yes-please"}, ["ZEROFIX=1", "ZEROFIX=0", FIX]),
+    ({"ZEROFIX": "1", "ZEROFIX_DISABLE": "nope"}, ["ZEROFIX_DISABLE", FIX]),
+    ({"ZEROFIX": "1", "ZEROFIX_LOG": "loud"}, ["debug", "info", "warning"]),
+    ({"ZEROFIX": "1", "ZEROFIX_STRICT": "maybe"}, ["1 or 0"]),
+])
+def test_malformed_values_name_the_valid_forms(env, words):
+    with pytest.raises(ConfigError) as info:
+        read_environment(env)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_malformed_value_at_startup_warns_once_and_patches_nothing():
+    proc = run_python("""
+        import sys, zerofix.activation as a
+        a.autopatch(); a.autopatch()   # the .pth already ran it once; no second warning
+        print("zerofix.patching" in sys.modules)
+    """, env={"ZEROFIX": "everything"})
+    assert proc.stdout.strip() == "False"
+    assert proc.stderr.count("zerofix: warning:") == 1, proc.stderr
+    assert "ZEROFIX='everything' is not valid" in proc.stderr and "patched nothing" in proc.stderr
+
+
+def test_pth_file_is_installed_in_site_packages():
+    pth = Path(sysconfig.get_paths()["purelib"]) / "zerofix-autopatch.pth"
+    assert pth.read_text() == (ROOT / "zerofix" / "_bootstrap" / "zerofix-autopatch.pth").read_text()
+    assert len(pth.read_text().strip().splitlines()) == 1
+
+
+def test_regular_wheel_ships_the_pth_at_its_root(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("zerofix-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    record = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("RECORD"))).decode()
+    assert "zerofix-autopatch.pth" in names and "zerofix-autopatch.pth," in record
+    assert "zerofix/_bootstrap/sitecustomize.py" in names
+
+
+def test_zerofix_run_activates_and_chains_an_existing_sitecustomize(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("import builtins; builtins.USER_SITECUSTOMIZE = True\n")
+    code = ("import sys, builtins; print(getattr(builtins, 'USER_SITECUSTOMIZE', False), "
+            "'zerofix.patching' in sys.modules, sys.modules['sitecustomize'].__file__)")
+    env = {"PYTHONPATH": str(tmp_path)}
+    out = run_python(f"import os, sys; os.execv(sys.executable, [sys.executable, '-m', 'zerofix', 'run', '--', "
+                     f"sys.executable, '-c', {code!r}])", env=env).stdout.split()
+    assert out[:2] == ["True", "True"], out
+    assert out[2] == str(tmp_path / "sitecustomize.py")
+
+
+def test_zerofix_run_respects_zerofix_0(tmp_path):
+    out = run_python("import os, sys; os.execv(sys.executable, [sys.executable, '-m', 'zerofix', 'run', '--', "
+                     "sys.executable, '-c', \"import sys; print('zerofix.patching' in sys.modules)\"])",
+                     env={"ZEROFIX": "0"}).stdout
+    assert out.strip() == "False"
+
+
+def test_zerofix_run_rejects_unknown_ids_before_starting_anything():
+    proc = subprocess.run([sys.executable, "-m", "zerofix", "run", "--fixes", "nope", "--", "true"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "nope" in proc.stderr and FIX in proc.stderr
+
+
+def test_run_environment_puts_the_bootstrap_first_once():
+    env = run_environment({"PYTHONPATH": f"/a:{BOOTSTRAP_DIR}"}, fixes=FIX)
+    assert env["PYTHONPATH"] == f"{BOOTSTRAP_DIR}:/a" and env["ZEROFIX"] == FIX
+    # Launchers forward PYTHON* variables to every rank and node: activation rides on PYTHONPATH.
+    assert BOOTSTRAP_DIR.endswith("zerofix/_bootstrap")
+
+
+def test_status_cli_json():
+    import json
+
+    proc = subprocess.run([sys.executable, "-m", "zerofix", "status", "--json"], capture_output=True, text=True,
+                          check=True)
+    records = json.loads(proc.stdout)
+    assert [r["id"] for r in records] == list(catalogue.ids())
+    assert {"id", "state", "dist", "installed", "affected", "reason"} <= set(records[0])

@@ -1,0 +1,243 @@
+"""Contract tests of patch()/unpatch()/status(), each in a fresh interpreter, against a fake library.
+
+``fakelib`` (version 1.0, with real dist-info metadata) defines ``fakelib.core.Engine.step(self, x)``;
+``fakefix`` is a fix implementation whose wrapper doubles the result. The fake fix is appended to the
+catalogue inside the subprocess, so the real patching code runs unmodified.
+"""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from conftest import run_python
+
+FAKELIB_CORE = """
+class Engine:
+    def step(self, x):
+        return x + 1
+
+class SubEngine(Engine):
+    pass
+"""
+FAKELIB_DRIFTED = FAKELIB_CORE.replace("def step(self, x):", "def step(self, x, y=0):")
+FAKEFIX = """
+import inspect
+
+def structural_check(targets):
+    for name, fn in targets.items():
+        if list(inspect.signature(fn).parameters) != ["self", "x"]:
+            return f"{name} signature changed to {inspect.signature(fn)}"
+    return None
+
+def step(wrapped, instance, args, kwargs):
+    return 2 * wrapped(*args, **kwargs)
+"""
+
+
+def make_fakelib(tmp_path, core=FAKELIB_CORE):
+    (tmp_path / "fakelib").mkdir()
+    (tmp_path / "fakelib" / "__init__.py").write_text("")
+    (tmp_path / "fakelib" / "core.py").write_text(core)
+    info = tmp_path / "fakelib-1.0.dist-info"
+    info.mkdir()
+    info.joinpath("METADATA").write_text("Metadata-Version: 2.1\nName: fakelib\nVersion: 1.0\n")
+    (tmp_path / "fakefix.py").write_text(FAKEFIX)
+    (tmp_path / "brokenfix.py").write_text("raise RuntimeError('implementation exploded')\n")
+    return tmp_path
+
+
+def preamble(tmp_path, *, affected=">=1.0,<2", dist="fakelib", attribute="Engine.step",
+             implementation="fakefix", extra_targets=()):
+    targets = [f"Target('fakelib.core', {attribute!r}, 'step')"]
+    targets += [f"Target('fakelib.core', {a!r}, 'step')" for a in extra_targets]
+    return textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import zerofix
+        from zerofix import catalogue
+        from zerofix.catalogue import Fix, Target
+        catalogue.FIXES = (Fix(id="fake-fix", title="fake", dist={dist!r}, affected={affected!r},
+                               targets=({", ".join(targets)},), implementation={implementation!r}),)
+        def state():
+            return zerofix.status()[0].state
+    """)
+
+
+def check(tmp_path, body, env=None, **kw):
+    return run_python(preamble(tmp_path, **kw) + textwrap.dedent(body), env=env)
+
+
+@pytest.fixture
+def lib(tmp_path):
+    return make_fakelib(tmp_path)
+
+
+def test_import_then_patch_covers_existing_instances(lib):
+    check(lib, """
+        import fakelib.core as core
+        engine = core.Engine()
+        assert state() == "inactive"
+        zerofix.patch()
+        assert state() == "applied", zerofix.status()
+        assert engine.step(1) == 4
+    """)
+
+
+def test_patch_then_import_applies_on_import(lib):
+    check(lib, """
+        zerofix.patch()
+        assert state() == "pending-import", zerofix.status()
+        assert "fakelib.core" not in sys.modules
+        import fakelib.core as core
+        assert state() == "applied"
+        assert core.Engine().step(1) == 4
+        assert core.__loader__.__class__.__name__ != "_HookedLoader"
+    """)
+
+
+def test_patch_twice_is_a_no_op(lib):
+    check(lib, """
+        import fakelib.core as core
+        zerofix.patch()
+        wrapped = vars(core.Engine)["step"]
+        zerofix.patch()
+        assert vars(core.Engine)["step"] is wrapped
+        assert core.Engine().step(1) == 4
+    """)
+
+
+def test_patch_unpatch_patch_restores_the_identical_object(lib):
+    check(lib, """
+        import fakelib.core as core
+        raw = vars(core.Engine)["step"]
+        zerofix.patch(); assert vars(core.Engine)["step"] is not raw
+        zerofix.unpatch(); assert vars(core.Engine)["step"] is raw
+        assert state() == "inactive" and core.Engine().step(1) == 2
+        zerofix.patch(); assert core.Engine().step(1) == 4
+        zerofix.unpatch(); assert vars(core.Engine)["step"] is raw
+    """)
+
+
+def test_unpatch_without_patch_changes_nothing(lib):
+    check(lib, """
+        import fakelib.core as core
+        raw = vars(core.Engine)["step"]
+        zerofix.unpatch()
+        assert vars(core.Engine)["step"] is raw and state() == "inactive"
+    """)
+
+
+def test_unpatch_before_import_keeps_the_hook_from_applying(lib):
+    check(lib, """
+        zerofix.patch(); zerofix.unpatch()
+        import fakelib.core as core
+        assert core.Engine().step(1) == 2 and state() == "inactive"
+    """)
+
+
+def test_inherited_target_is_removed_again_on_unpatch(lib):
+    check(lib, """
+        import fakelib.core as core
+        zerofix.patch()
+        assert "step" in vars(core.SubEngine) and core.SubEngine().step(1) == 4
+        assert core.Engine().step(1) == 2
+        zerofix.unpatch()
+        assert "step" not in vars(core.SubEngine)
+    """, attribute="SubEngine.step")
+
+
+def test_target_library_absent(lib):
+    check(lib, """
+        zerofix.patch()
+        record = zerofix.status()[0]
+        assert record.state == "not-installed" and "nolib is not installed" in record.reason, record
+    """, dist="nolib")
+
+
+def test_version_out_of_range_changes_nothing(lib):
+    check(lib, """
+        import fakelib.core as core
+        raw = vars(core.Engine)["step"]
+        zerofix.patch()
+        record = zerofix.status()[0]
+        assert record.state == "not-affected" and record.installed == "1.0", record
+        assert "outside the affected range >=2" in record.reason
+        assert vars(core.Engine)["step"] is raw
+    """, affected=">=2")
+
+
+def test_prereleases_are_inside_the_range(lib):
+    check(lib, """
+        import fakelib.core as core
+        zerofix.patch()
+        assert state() == "applied"
+    """, affected=">=1.0.dev0,<1.0.1")
+
+
+def test_structural_drift_is_skipped_with_a_reason(tmp_path):
+    lib = make_fakelib(tmp_path, core=FAKELIB_DRIFTED)
+    check(lib, """
+        import fakelib.core as core
+        raw = vars(core.Engine)["step"]
+        zerofix.patch()
+        record = zerofix.status()[0]
+        assert record.state == "target-changed" and "signature changed" in record.reason, record
+        assert vars(core.Engine)["step"] is raw
+    """)
+
+
+def test_structural_drift_raises_in_strict_mode(tmp_path):
+    lib = make_fakelib(tmp_path, core=FAKELIB_DRIFTED)
+    check(lib, """
+        zerofix.patch()
+        try:
+            import fakelib.core
+        except zerofix.StrictError as exc:
+            assert "signature changed" in str(exc) and "ZEROFIX_STRICT" in str(exc)
+        else:
+            raise AssertionError("no StrictError")
+    """, env={"ZEROFIX_STRICT": "1"})
+
+
+def test_hook_failure_is_contained_and_reported(lib):
+    check(lib, """
+        zerofix.patch()
+        import fakelib.core as core   # the implementation module raises on import
+        record = zerofix.status()[0]
+        assert record.state == "failed" and "implementation exploded" in record.reason, record
+        assert core.Engine().step(1) == 2
+    """, implementation="brokenfix")
+
+
+def test_a_missing_second_target_leaves_no_half_applied_patch(lib):
+    check(lib, """
+        import fakelib.core as core
+        raw = vars(core.Engine)["step"]
+        zerofix.patch()
+        record = zerofix.status()[0]
+        assert record.state == "target-changed" and "Engine.nothing" in record.reason, record
+        assert vars(core.Engine)["step"] is raw
+    """, extra_targets=("Engine.nothing",))
+
+
+def test_unknown_ids_raise_listing_the_valid_ones_and_patch_nothing(lib):
+    check(lib, """
+        import fakelib.core as core
+        for kwargs in ({"fixes": ["nope"]}, {"exclude": ["nope"]}, {"fixes": ["fake-fix", "nope"]}):
+            try:
+                zerofix.patch(**kwargs)
+            except ValueError as exc:
+                assert "nope" in str(exc) and "fake-fix" in str(exc), exc
+            else:
+                raise AssertionError(kwargs)
+        assert state() == "inactive" and core.Engine().step(1) == 2
+    """)
+
+
+def test_exclude_reports_disabled(lib):
+    check(lib, """
+        import fakelib.core as core
+        zerofix.patch(exclude=["fake-fix"])
+        assert state() == "disabled" and core.Engine().step(1) == 2
+    """)
