@@ -18,14 +18,16 @@ def patch(fixes=None, exclude=(), *, strict=None):
     """
     from zerofix import patching
 
-    return patching.patch(fixes, exclude, strict=strict)
+    patching.patch(fixes, exclude, strict=strict)
+    return patching.status()
 
 
 def unpatch(fixes=None):
     """Disable fixes (all by default) and restore exactly the attributes that were there."""
     from zerofix import patching
 
-    return patching.unpatch(fixes)
+    patching.unpatch(fixes)
+    return patching.status()
 
 
 def status():

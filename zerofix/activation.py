@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from typing import NamedTuple
 
 OFF = ("0", "false", "off", "no")
 ALL = ("1", "all", "true", "on", "yes")
@@ -26,8 +26,7 @@ class ConfigError(ValueError):
     pass
 
 
-@dataclass(frozen=True)
-class Settings:
+class Settings(NamedTuple):
     enabled: bool
     fixes: tuple[str, ...] | None  # None = every fix
     disable: tuple[str, ...]
@@ -116,7 +115,8 @@ def autopatch(*, default_on: bool = False):
     from zerofix import patching
 
     try:
-        return patching.patch(settings.fixes, settings.disable, strict=settings.strict)
+        patching.patch(settings.fixes, settings.disable, strict=settings.strict)
+        return settings
     except patching.StrictError:
         raise
     except Exception as exc:  # noqa: BLE001 - start-up must go on

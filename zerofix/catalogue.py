@@ -1,4 +1,5 @@
-"""The fixes zerofix knows, as plain data.
+"""The fixes zerofix knows, as plain data (NamedTuples: ``dataclasses`` would import ``inspect``, ~15 ms
+at every interpreter start-up with ZEROFIX=1).
 
 Each entry says *what* is broken (title, upstream references), *where* (distribution and the PEP 440
 range of affected releases) and *how* it is patched (target attributes in their defining submodules and
@@ -7,11 +8,10 @@ README, the CLI and the start-up hook can read it for free.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class Target:
+class Target(NamedTuple):
     """One attribute to wrap: ``module`` is the *defining* submodule (the post-import hook fires on it),
     ``attribute`` a dotted path inside it (``Class.method``), ``wrapper`` the name of the wrapper
     function ``(wrapped, instance, args, kwargs)`` in the fix's implementation module."""
@@ -21,8 +21,7 @@ class Target:
     wrapper: str
 
 
-@dataclass(frozen=True)
-class Fix:
+class Fix(NamedTuple):
     id: str
     title: str
     dist: str  # the distribution whose installed version decides (importlib.metadata name)

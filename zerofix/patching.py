@@ -12,7 +12,7 @@ import importlib
 import os
 import sys
 import threading
-from dataclasses import asdict, dataclass, replace
+from typing import NamedTuple
 
 from zerofix import catalogue, importhooks
 from zerofix._log import log
@@ -35,8 +35,7 @@ class StrictError(RuntimeError):
     raise_from_hook = True
 
 
-@dataclass
-class Record:
+class Record(NamedTuple):
     id: str
     state: str
     dist: str
@@ -45,11 +44,10 @@ class Record:
     reason: str
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return dict(self._asdict())
 
 
-@dataclass
-class _Installed:
+class _Installed(NamedTuple):
     owner: object
     name: str
     raw: object  # what vars(owner)[name] held, or None when the attribute was inherited
@@ -118,9 +116,10 @@ def select(fixes=None, exclude=()) -> tuple[list[str], set[str]]:
     return [f for f in wanted if f not in excluded], excluded
 
 
-def patch(fixes=None, exclude=(), *, strict: bool | None = None) -> list[Record]:
+def patch(fixes=None, exclude=(), *, strict: bool | None = None) -> None:
     """Enable fixes (all by default). Fixes whose modules are imported are applied now, the others
-    when their defining submodule is imported. Calling it again is a no-op for enabled fixes."""
+    when their defining submodule is imported. Calling it again is a no-op for enabled fixes.
+    Returns nothing: status() would read package metadata, which start-up must not pay for."""
     selected, excluded = select(fixes, exclude)
     if strict is None:
         strict = os.environ.get("ZEROFIX_STRICT", "").strip().lower() in ("1", "true", "on", "yes")
@@ -139,7 +138,6 @@ def patch(fixes=None, exclude=(), *, strict: bool | None = None) -> list[Record]
             )
             for module in fix.modules:
                 importhooks.when_imported(module, lambda _m, fix_id=fix.id: _on_import(fix_id))
-    return status()
 
 
 def _on_import(fix_id: str) -> None:
@@ -220,7 +218,7 @@ def _restore(entry: _Installed) -> None:
     _registry.pop((id(entry.owner), entry.name), None)
 
 
-def unpatch(fixes=None) -> list[Record]:
+def unpatch(fixes=None) -> None:
     """Disable fixes (all by default) and restore exactly what was there before."""
     selected, _ = select(fixes)
     with _lock:
@@ -229,7 +227,6 @@ def unpatch(fixes=None) -> list[Record]:
             for entry in reversed(_installed.pop(fix_id, [])):
                 _restore(entry)
             _records.pop(fix_id, None)
-    return status()
 
 
 # ----------------------------------------------------------------------------- status
@@ -247,7 +244,7 @@ def status() -> list[Record]:
                 elif record is None:
                     record = Record(fix.id, INACTIVE, fix.dist, None, fix.affected,
                                     "in range; enable with zerofix.patch() or ZEROFIX=1")
-                record = replace(record, installed=installed_version(fix.dist))
+                record = record._replace(installed=installed_version(fix.dist))
             out.append(record)
     return out
 

@@ -1,0 +1,109 @@
+"""What zerofix costs, measured side by side in one run.
+
+1. Interpreter start-up (``python -c pass``) with and without ``ZEROFIX=1`` (the .pth activation; no
+   ML library is imported), runs interleaved, median of N.
+2. ``import zerofix`` in a fresh interpreter, median of N.
+3. Per call: a raw method vs the same method wrapped through zerofix's patching (pass-through wrapper),
+   and the real ``transformers-accelerate-double-division`` wrapper around a no-op training step with a
+   real ``accelerate.Accelerator(gradient_accumulation_steps=8)`` (when accelerate is installed).
+
+Targets (issue 2): < 20 ms added at start-up, < 10 us per wrapped call.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import timeit
+
+N = int(os.environ.get("BENCH_N", "21"))
+
+
+def _child_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROFIX")}
+    env.update(extra)
+    return env
+
+
+def startup_ms():
+    times = {"off": [], "on": []}
+    code = "import time, sys; print(time.perf_counter())"
+    for _ in range(N):
+        for label, env in (("off", _child_env()), ("on", _child_env(ZEROFIX="1"))):
+            t0 = timeit.default_timer()
+            subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
+            times[label].append((timeit.default_timer() - t0) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def import_ms():
+    code = "import time; t=time.perf_counter(); import zerofix; print((time.perf_counter()-t)*1e3)"
+    vals = [float(subprocess.run([sys.executable, "-c", code], env=_child_env(), check=True,
+                                 capture_output=True, text=True).stdout) for _ in range(N)]
+    return statistics.median(vals)
+
+
+def per_call_us():
+    import types
+
+    from zerofix import catalogue, patching
+    from zerofix.catalogue import Fix, Target
+
+    class Engine:
+        def step(self, x):
+            return x
+
+    raw_engine = Engine()
+    raw = min(timeit.repeat(lambda: raw_engine.step(1), number=100_000, repeat=5)) / 100_000 * 1e6
+
+    impl = types.ModuleType("bench_passthrough")
+    impl.structural_check = lambda targets: None
+    impl.step = lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs)
+    sys.modules["bench_passthrough"] = impl
+    mod = types.ModuleType("bench_target")
+    mod.Engine = Engine
+    sys.modules["bench_target"] = mod
+    saved = catalogue.FIXES
+    catalogue.FIXES = (Fix("bench", "bench", "pip", ">=0", (Target("bench_target", "Engine.step", "step"),),
+                           "bench_passthrough"),)
+    try:
+        patching.patch()
+        assert patching.is_applied("bench")
+        wrapped = min(timeit.repeat(lambda: raw_engine.step(1), number=100_000, repeat=5)) / 100_000 * 1e6
+        patching.unpatch()
+    finally:
+        catalogue.FIXES = saved
+    out = {"raw method": raw, "zerofix-wrapped (pass-through)": wrapped}
+
+    try:
+        from accelerate import Accelerator
+
+        from zerofix.fixes import transformers_accelerate_double_division as fix
+    except Exception as exc:  # noqa: BLE001
+        print(f"(real wrapper not measured: {exc})")
+        return out
+    trainer = types.SimpleNamespace(accelerator=Accelerator(gradient_accumulation_steps=8, cpu=True))
+    noop = lambda model, inputs: None  # noqa: E731
+    real = min(timeit.repeat(lambda: fix.training_step(noop, trainer, (None, None), {}),
+                             number=20_000, repeat=5)) / 20_000 * 1e6
+    out["training_step wrapper (real Accelerator, GAS=8)"] = real
+    return out
+
+
+def main():
+    print(f"zerofix overhead, {sys.executable}, median of {N}")
+    s = startup_ms()
+    print(f"\nstart-up  python -c pass        {s['off']:7.1f} ms")
+    print(f"start-up  ZEROFIX=1 python -c pass {s['on']:7.1f} ms   added {s['on'] - s['off']:+.1f} ms (target < 20)")
+    print(f"import zerofix                     {import_ms():7.2f} ms")
+    calls = per_call_us()
+    base = calls["raw method"]
+    print()
+    for name, us in calls.items():
+        extra = "" if name == "raw method" else f"   added {us - base:+.2f} us (target < 10)"
+        print(f"per call  {name:<48} {us:6.2f} us{extra}")
+
+
+if __name__ == "__main__":
+    main()
