@@ -43,7 +43,8 @@ def markdown_table() -> str:
     lines = ["| fix | library | affected releases | fixed upstream in | where | upstream |",
              "|---|---|---|---|---|---|"]
     for fix in catalogue.FIXES:
-        links = ", ".join(f"[{u.rstrip('/').split('/')[-2]} #{u.rstrip('/').split('/')[-1]}]({u})"
+        # https://github.com/<owner>/<repo>/(issues|pull)/<n>  ->  [<repo> #<n>](url)
+        links = ", ".join(f"[{u.rstrip('/').split('/')[-3]} #{u.rstrip('/').split('/')[-1]}]({u})"
                           for u in fix.upstream)
         lines.append(f"| `{fix.id}` | {fix.dist} | `{fix.affected}` | {fix.fixed_in or 'not yet'} "
                      f"| {fix.where} | {links} |")

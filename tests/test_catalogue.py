@@ -1,0 +1,37 @@
+"""The catalogue is valid data and the README's table says what it says."""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+
+from packaging.specifiers import SpecifierSet
+
+from conftest import ROOT
+from zerofix import catalogue
+from zerofix.cli import markdown_table
+
+
+def test_entries_are_well_formed():
+    assert len(set(catalogue.ids())) == len(catalogue.FIXES)
+    for fix in catalogue.FIXES:
+        assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)+", fix.id), fix.id
+        SpecifierSet(fix.affected)  # parses
+        assert fix.targets and fix.modules
+        spec = importlib.util.find_spec(fix.implementation)
+        assert spec is not None, fix.implementation
+        # Read, not import: the implementation imports the library it patches.
+        defined = {n.name for n in ast.parse(open(spec.origin).read()).body if isinstance(n, ast.FunctionDef)}
+        assert {"structural_check", *(t.wrapper for t in fix.targets)} <= defined, (fix.id, defined)
+        assert all(u.startswith("https://github.com/") for u in fix.upstream)
+
+
+def test_readme_table_matches_the_catalogue():
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- fix-table")[1].split("<!-- /fix-table -->")[0]
+    assert markdown_table() in block, "regenerate the README table with: zerofix catalogue --markdown"
+
+
+def test_unknown_id_error_lists_the_valid_ids():
+    err = catalogue.unknown_ids_error({"nope"})
+    assert "nope" in str(err) and all(i in str(err) for i in catalogue.ids())
