@@ -28,7 +28,6 @@ def _child_env(**extra):
 
 def startup_ms():
     times = {"off": [], "on": []}
-    code = "import time, sys; print(time.perf_counter())"
     for _ in range(N):
         for label, env in (("off", _child_env()), ("on", _child_env(ZEROFIX="1"))):
             t0 = timeit.default_timer()

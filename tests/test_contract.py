@@ -241,3 +241,13 @@ def test_exclude_reports_disabled(lib):
         zerofix.patch(exclude=["fake-fix"])
         assert state() == "disabled" and core.Engine().step(1) == 2
     """)
+
+
+def test_environment_activation_logs_each_applied_fix_once(lib):
+    proc = check(lib, """
+        import zerofix.activation
+        zerofix.activation.autopatch(); zerofix.activation.autopatch()
+        import fakelib.core as core
+        assert core.Engine().step(1) == 4
+    """, env={"ZEROFIX": "1", "ZEROFIX_LOG": "info"})
+    assert proc.stderr.count("[zerofix] INFO fake-fix: applied") == 1, proc.stderr

@@ -6,7 +6,6 @@ a wrong version range or a stack that stopped showing the bug fails here.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest

@@ -1,7 +1,6 @@
 """Run a scenario and compare every variant's update with the single-process reference."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
