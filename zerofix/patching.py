@@ -79,9 +79,8 @@ def version_in_range(version: str, affected: str) -> bool:
     return SpecifierSet(affected).contains(Version(version), prereleases=True)
 
 
-def _version_record(fix: catalogue.Fix) -> Record | None:
+def _version_record(fix: catalogue.Fix, version: str | None) -> Record | None:
     """The record for a fix whose version guard says no, else None."""
-    version = installed_version(fix.dist)
     if version is None:
         return Record(fix.id, NOT_INSTALLED, fix.dist, None, fix.affected, f"{fix.dist} is not installed")
     if not version_in_range(version, fix.affected):
@@ -155,13 +154,12 @@ def apply(fix: catalogue.Fix) -> Record:
         if fix.id in _installed:
             return _records[fix.id]
         strict = _enabled[fix.id]
+        version = None
         try:
-            record = _version_record(fix)
-            if record is None:
-                record = _install(fix)
+            version = installed_version(fix.dist)
+            record = _version_record(fix, version) or _install(fix, version)
         except Exception as exc:  # noqa: BLE001 - contained and reported, see status()
-            record = Record(fix.id, FAILED, fix.dist, installed_version(fix.dist), fix.affected,
-                            f"{type(exc).__name__}: {exc}")
+            record = Record(fix.id, FAILED, fix.dist, version, fix.affected, f"{type(exc).__name__}: {exc}")
         _records[fix.id] = record
         level = {APPLIED: "info", TARGET_CHANGED: "warning", FAILED: "warning"}.get(record.state, "debug")
         log(level, "%s: %s (%s)", fix.id, record.state, record.reason)
@@ -171,8 +169,7 @@ def apply(fix: catalogue.Fix) -> Record:
         return record
 
 
-def _install(fix: catalogue.Fix) -> Record:
-    version = installed_version(fix.dist)
+def _install(fix: catalogue.Fix, version: str) -> Record:
     impl = importlib.import_module(fix.implementation)
     resolved = {}
     for target in fix.targets:
@@ -238,13 +235,14 @@ def status() -> list[Record]:
         for fix in catalogue.FIXES:
             record = _records.get(fix.id)
             if record is None or record.state in (PENDING, DISABLED):
-                guard = _version_record(fix)
+                version = installed_version(fix.dist)
+                guard = _version_record(fix, version)
                 if guard is not None and (record is None or record.state == PENDING):
                     record = guard
                 elif record is None:
                     record = Record(fix.id, INACTIVE, fix.dist, None, fix.affected,
                                     "in range; enable with zerofix.patch() or ZEROFIX=1")
-                record = record._replace(installed=installed_version(fix.dist))
+                record = record._replace(installed=version)
             out.append(record)
     return out
 
