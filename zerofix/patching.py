@@ -121,7 +121,9 @@ def patch(fixes=None, exclude=(), *, strict: bool | None = None) -> None:
     Returns nothing: status() would read package metadata, which start-up must not pay for."""
     selected, excluded = select(fixes, exclude)
     if strict is None:
-        strict = os.environ.get("ZEROFIX_STRICT", "").strip().lower() in ("1", "true", "on", "yes")
+        from zerofix.activation import ALL
+
+        strict = os.environ.get("ZEROFIX_STRICT", "").strip().lower() in ALL
     with _lock:
         for fix in catalogue.FIXES:
             if fix.id in _enabled:

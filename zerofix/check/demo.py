@@ -31,7 +31,7 @@ def main() -> int:
                 r = parity.trainer_gas(f"{tmp}/{model}-{nproc}", model=model, nproc=nproc)
                 u, p = r["unpatched"], r["patched"]
                 worst = max(worst, p["rel_err"])
-                state = p["status"]["transformers-accelerate-double-division"]
+                state = p["rank_status"][0]["transformers-accelerate-double-division"]
                 print(f"{model:<10} {nproc:>5}   {u['ratio']:>9.4f} {u['rel_err']:>8.1e}   "
                       f"{p['ratio']:>9.4f} {p['rel_err']:>8.1e}   {state}", flush=True)
     print(f"\npatched worst rel.err {worst:.1e} ({'ok' if worst < 1e-6 else 'WRONG'}); {time.time() - start:.0f} s")

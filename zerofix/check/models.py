@@ -31,11 +31,14 @@ class TinyNoKwargsLM(nn.Module):
         logits = self.head(self.mlp(self.embed(input_ids)))
         out = {"logits": logits}
         if labels is not None:
-            out["loss"] = F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1),
-                ignore_index=IGNORE,
-            )
+            out["loss"] = next_token_ce(logits, labels, "mean")
         return out
+
+
+def next_token_ce(logits, labels, reduction: str):
+    """Cross-entropy of position t's logits against label t+1, ignoring IGNORE labels."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+                           ignore_index=IGNORE, reduction=reduction)
 
 
 def build_model(kind: str, seed: int = 0) -> nn.Module:
@@ -68,19 +71,20 @@ def sample(index: int, seed: int = 0) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def stack(items) -> dict:
+    """Collate dict items into a batch of tensors."""
+    return {k: torch.stack([torch.as_tensor(it[k]) for it in items]) for k in items[0]}
+
+
 def collate(indices, seed: int = 0) -> dict:
-    items = [sample(i, seed) for i in indices]
-    return {k: torch.stack([it[k] for it in items]) for k in items[0]}
+    return stack([sample(i, seed) for i in indices])
 
 
 def token_loss_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, int]:
     """(sum of next-token cross-entropies, number of counted tokens) of one micro-batch."""
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     logits = out["logits"] if isinstance(out, dict) else out.logits
-    targets = batch["labels"][:, 1:].reshape(-1)
-    total = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), targets,
-                            ignore_index=IGNORE, reduction="sum")
-    return total, int((targets != IGNORE).sum())
+    return next_token_ce(logits, batch["labels"], "sum"), int((batch["labels"][:, 1:] != IGNORE).sum())
 
 
 class IndexedDataset(torch.utils.data.Dataset):

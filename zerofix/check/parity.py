@@ -13,7 +13,7 @@ LOSS_MODE = {"causal-lm": "token-mean", "custom": "batch-mean"}
 def trainer_gas(out_dir, *, model: str = "causal-lm", nproc: int = 1, gas: int = 8, lr: float = 5.0,
                 zerofix: str = "both", extra_args=(), env=None, launcher_prefix=(),
                 python: str = sys.executable, timeout: float = 600) -> dict:
-    """{variant: comparison + status records of rank 0} for the Trainer GAS scenario."""
+    """{variant: comparison + ``rank_status`` (per rank, fix id -> state)} for the Trainer GAS scenario."""
     import torch
 
     out_dir = Path(out_dir)
@@ -30,6 +30,5 @@ def trainer_gas(out_dir, *, model: str = "causal-lm", nproc: int = 1, gas: int =
                                         loss_mode=LOSS_MODE[model], optimizer_factory=reference.sgd(lr))
         final = torch.load(out_dir / variant / "final.pt")
         results[variant] = {**reference.compare(init, final, ref),
-                            "status": {s["id"]: s["state"] for s in ranks[0]["status"]},
                             "rank_status": [{s["id"]: s["state"] for s in r["status"]} for r in ranks]}
     return results

@@ -66,8 +66,7 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         **({"ddp_backend": "gloo"} if world > 1 else {}),
     )
     trainer = RecordingTrainer(model=model, args=training_args, train_dataset=dataset,
-                               data_collator=lambda items: {k: torch.stack([torch.as_tensor(it[k]) for it in items])
-                                                            for k in items[0]})
+                               data_collator=models.stack)
     trainer.train()
     vdir = out / variant
     vdir.mkdir(parents=True, exist_ok=True)
