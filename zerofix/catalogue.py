@@ -55,6 +55,27 @@ FIXES: tuple[Fix, ...] = (
         where="Trainer without DeepSpeed (1 process or DDP), gradient_accumulation_steps > 1: "
         "updates are 1/GAS of the correct ones",
     ),
+    Fix(
+        id="deepspeed-manual-accumulation",
+        title="Several engine.backward() before one engine.step() apply only the last micro-batch, "
+        "or nothing",
+        dist="deepspeed",
+        # Every release measured (0.14.5 to 0.19.8) silently skips step() when the number of backwards
+        # differs from the config's GAS; >= 0.17.6 also keeps only the last micro-batch at GAS=1 (ZeRO-1/2).
+        affected=">=0.14.5",
+        targets=(
+            Target("deepspeed.runtime.engine", "DeepSpeedEngine.backward", "backward"),
+            Target("deepspeed.runtime.engine", "DeepSpeedEngine.step", "step"),
+        ),
+        implementation="zerofix.fixes.deepspeed_manual_accumulation",
+        upstream=(
+            "https://github.com/deepspeedai/DeepSpeed/issues/7718",
+            "https://github.com/allenai/open-instruct/pull/1498",
+        ),
+        fixed_in=None,
+        where="N x engine.backward() then one engine.step(): ZeRO-1/2 with config GAS=1 keep only the last "
+        "micro-batch (>= 0.17.6); any stage with config GAS=K != N makes step() a silent no-op",
+    ),
 )
 
 

@@ -42,6 +42,7 @@ class Record(NamedTuple):
     installed: str | None
     affected: str
     reason: str
+    runtime: tuple = ()  # what an applied fix saw while running (e.g. one dict per DeepSpeed engine)
 
     def to_dict(self) -> dict:
         return dict(self._asdict())
@@ -245,6 +246,10 @@ def status() -> list[Record]:
                     record = Record(fix.id, INACTIVE, fix.dist, None, fix.affected,
                                     "in range; enable with zerofix.patch() or ZEROFIX=1")
                 record = record._replace(installed=version)
+            elif record.state == APPLIED:
+                details = getattr(sys.modules.get(fix.implementation), "runtime_details", None)
+                if details is not None:
+                    record = record._replace(runtime=tuple(details()))
             out.append(record)
     return out
 

@@ -30,5 +30,52 @@ def trainer_gas(out_dir, *, model: str = "causal-lm", nproc: int = 1, gas: int =
                                         loss_mode=LOSS_MODE[model], optimizer_factory=reference.sgd(lr))
         final = torch.load(out_dir / variant / "final.pt")
         results[variant] = {**reference.compare(init, final, ref),
-                            "rank_status": [{s["id"]: s["state"] for s in r["status"]} for r in ranks]}
+                            "rank_status": [{s["id"]: s["state"] for s in r["status"]} for r in ranks],
+                            "rank_runtime": [{s["id"]: s.get("runtime", ()) for s in r["status"]} for r in ranks]}
     return results
+
+
+DS_ACCUMULATION = "zerofix.check.scenarios.ds_accumulation"
+
+
+def ds_accumulation(out_dir, cells, *, nproc: int = 2, variants=("unpatched", "patched"), env=None,
+                    python: str = sys.executable, timeout: float = 900) -> dict:
+    """Run the raw DeepSpeed loops; {variant: {cell name: {"snapshots", "norms" (per rank), "runtime"}}}
+    plus "init" (initial weights) and "world"."""
+    import json
+
+    import torch
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cells_file = out_dir / "cells.json"
+    cells_file.write_text(json.dumps([c._asdict() for c in cells]))
+    records = launch.torchrun(DS_ACCUMULATION, ["--cells", str(cells_file), "--variants", ",".join(variants)],
+                              nproc=nproc, out_dir=out_dir, env=env, python=python, timeout=timeout)
+    if len(records) != nproc:
+        raise launch.LaunchError(f"{len(records)} of {nproc} ranks reported")
+    results = {"init": torch.load(out_dir / "init.pt"), "world": nproc}
+    for variant in variants:
+        results[variant] = {
+            cell.name: {
+                "snapshots": torch.load(out_dir / variant / f"{cell.name}.pt"),
+                "norms": [r["cells"][variant][cell.name]["norms"] for r in records],
+                "runtime": [r["cells"][variant][cell.name]["runtime"] for r in records],
+            }
+            for cell in cells
+        }
+    return results
+
+
+def window_errors(init: dict, snapshots: list[dict], references: list[dict]) -> list[float]:
+    """Per window, max |measured update - reference update| / max |reference update| (the absolute
+    error when the reference update is zero, i.e. DeepSpeed was expected not to step)."""
+    import torch
+
+    errors = []
+    for measured, ref in zip(snapshots, references, strict=True):
+        du = torch.cat([(measured[k].double() - init[k].double()).flatten() for k in sorted(ref)])
+        dr = torch.cat([(ref[k].double() - init[k].double()).flatten() for k in sorted(ref)])
+        scale = dr.abs().max().item()
+        errors.append((du - dr).abs().max().item() / (scale if scale > 0 else 1.0))
+    return errors

@@ -68,3 +68,46 @@ def windows_from_ranks(rank_records: list[dict]) -> list[list[list[int]]]:
 def sgd(lr: float):
     return lambda params: torch.optim.SGD(params, lr=lr)
 
+
+
+def reference_windows(init_state: dict, windows, *, world: int, optimizer_factory, clip: float = 0.0,
+                      kind: str = "custom", seed: int = 0) -> tuple[list[dict], list[float]]:
+    """Raw-loop reference (zerofix.check.accumulation): the parameters after each window and the
+    gradient norm of each update (before clipping).
+
+    ``windows``: per window, its updates; per update, ``(micro_step, weight)`` pairs. An update's
+    gradient is the rank average of sum(weight * grad(mean loss of the rank's micro-batch)), clipped
+    like DeepSpeed does (``g * clip / (norm + 1e-6)`` when that factor is below 1)."""
+    from zerofix.check.accumulation import sample_indices
+
+    model = models.build_model(kind, seed).double()
+    model.load_state_dict({k: v.double() for k, v in init_state.items()})
+    model.train()
+    optimizer = optimizer_factory(model.parameters())
+    states, norms = [], []
+    for window in windows:
+        for update in window:
+            optimizer.zero_grad(set_to_none=True)
+            loss = 0.0
+            for micro_step, weight in update:
+                for rank in range(world):
+                    batch = models.collate(sample_indices(micro_step, rank, world), seed)
+                    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                    logits = out["logits"] if isinstance(out, dict) else out.logits
+                    loss = loss + weight / world * models.next_token_ce(logits, batch["labels"], "mean")
+            loss.backward()
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+            norms.append(norm)
+            if clip > 0 and clip / (norm + 1e-6) < 1:
+                for g in grads:
+                    g.mul_(clip / (norm + 1e-6))
+            optimizer.step()
+        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return states, norms
+
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=2.0),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-10, weight_decay=0.01),
+}

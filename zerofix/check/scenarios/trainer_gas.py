@@ -1,4 +1,5 @@
-"""Trainer with gradient accumulation on a tiny model, without DeepSpeed (1 process or DDP over gloo).
+"""Trainer with gradient accumulation on a tiny model: without DeepSpeed (1 process or DDP over gloo),
+or through DeepSpeed with ``--zero-stage N``.
 
 Writes, per variant (``unpatched`` and/or ``patched``): ``<out>/<variant>/rank{r}.json`` with the
 sample indices each rank consumed per optimizer step, and (rank 0) ``final.pt``; ``<out>/init.pt`` holds
@@ -27,8 +28,33 @@ def parse_args(argv=None):
     p.add_argument("--zerofix", choices=("off", "on", "both", "env"), default="both",
                    help="env: leave activation to ZEROFIX / zerofix run")
     p.add_argument("--no-average-tokens", action="store_true")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                   help="train through DeepSpeed with this ZeRO stage (default: no DeepSpeed)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
+
+
+def deepspeed_config(stage: int) -> dict:
+    # No train_batch_size: "auto" is resolved before the process group exists (DESIGN.md §5).
+    return {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",  # max_grad_norm=0 -> 0 (DeepSpeed >= 0.19 would default to 1.0)
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
+    }
+
+
+def final_weights(model, zero_stage) -> dict:
+    """Full parameters on every rank (gathered from the ZeRO-3 partitions; collective)."""
+    import contextlib
+
+    gather = contextlib.nullcontext()
+    if zero_stage == 3:
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(list(model.parameters()))
+    with gather:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def train(args, variant: str, out: Path, world: int, rank: int) -> None:
@@ -64,14 +90,16 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         remove_unused_columns=False, disable_tqdm=True,
         average_tokens_across_devices=not args.no_average_tokens,
         **({"ddp_backend": "gloo"} if world > 1 else {}),
+        **({"deepspeed": deepspeed_config(args.zero_stage)} if args.zero_stage is not None else {}),
     )
     trainer = RecordingTrainer(model=model, args=training_args, train_dataset=dataset,
                                data_collator=models.stack)
     trainer.train()
     vdir = out / variant
     vdir.mkdir(parents=True, exist_ok=True)
+    weights = final_weights(model, args.zero_stage)
     if rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, vdir / "final.pt")
+        torch.save(weights, vdir / "final.pt")
     record = {
         "rank": rank, "world": world, "variant": variant, "model": args.model, "gas": args.gas,
         "windows": [windows[s] for s in sorted(windows)],

@@ -1,0 +1,113 @@
+"""deepspeed-manual-accumulation, measured with real DeepSpeed engines on 2 gloo ranks.
+
+One torchrun job per stack runs every loop of zerofix.check.accumulation (ZeRO 0/1/2/2+overlap/3 x
+config GAS {1, 4} x loop styles a-e x SGD/AdamW, plus a short last window and a checkpoint resumed at a
+window boundary), first without zerofix, then patched. Each cell's parameters after each of its windows
+are compared with a float64 single-process reference trained on the same samples.
+
+Unpatched, every cell must show what DeepSpeed is known to do on this release (``known_unpatched``:
+last micro-batch only, silent no-op, or correct), so a stack that stops showing a bug is noticed.
+Patched, every cell must equal the reference.
+"""
+from __future__ import annotations
+
+from importlib import metadata
+
+import pytest
+
+from zerofix.check import accumulation, parity, reference
+from zerofix.check.accumulation import CORRECT
+
+FIX = "deepspeed-manual-accumulation"
+STACKS = ("latest", "2026-04", "2025-01")
+TOLERANCE = {"sgd": 1e-6, "adamw": 1e-5}  # relative error of the update, fp32 run vs fp64 reference
+CELLS = accumulation.matrix() + accumulation.extra_cells()
+pytestmark = [pytest.mark.distributed, pytest.mark.stack(*STACKS)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return parity.ds_accumulation(tmp_path_factory.mktemp("ds-accumulation"), CELLS, nproc=2)
+
+
+_references: dict = {}
+
+
+def expected(runs, cell, semantics):
+    """Reference snapshots and update norms for the cell's loop under ``semantics``."""
+    key = (cell.gas, cell.style, cell.optimizer, semantics)
+    if key not in _references:
+        _references[key] = reference.reference_windows(
+            runs["init"], accumulation.updates(cell, semantics), world=runs["world"],
+            optimizer_factory=reference.OPTIMIZERS[cell.optimizer], clip=cell.clip)
+    return _references[key]
+
+
+def errors(runs, variant, cell, semantics):
+    snapshots, _ = expected(runs, cell, semantics)
+    return parity.window_errors(runs["init"], runs[variant][cell.name]["snapshots"], snapshots)
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.name)
+def test_unpatched_shows_what_deepspeed_is_known_to_do(runs, cell):
+    known = accumulation.known_unpatched(cell, metadata.version("deepspeed"))
+    assert max(errors(runs, "unpatched", cell, known)) < TOLERANCE[cell.optimizer], known
+    if known != CORRECT:  # and it is really wrong, not just within tolerance of right
+        assert max(errors(runs, "unpatched", cell, CORRECT)) > 0.1
+    assert all(r["state"] == "inactive" for r in runs["unpatched"][cell.name]["runtime"])
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.name)
+def test_patched_matches_the_reference(runs, cell):
+    result = runs["patched"][cell.name]
+    assert max(errors(runs, "patched", cell, CORRECT)) < TOLERANCE[cell.optimizer]
+    _, norms = expected(runs, cell, CORRECT)
+    for rank_norms in result["norms"]:
+        if cell.stage == 0:  # DeepSpeed reports no norm for a ZeRO-0 torch optimizer
+            assert rank_norms == [None] * len(norms)
+        else:
+            assert rank_norms == pytest.approx(norms, rel=1e-5)
+    for runtime in result["runtime"]:
+        assert runtime["state"] == "applied"
+        seen = runtime["engine"]
+        updates = sum(len(w) for w in accumulation.updates(cell))
+        if cell.resume:  # the resumed engine saw only the second window
+            updates //= 2
+        assert (seen["active"], seen["windows"], seen["pending"]) == (True, updates, 0), seen
+        # A loop that flags its boundaries itself is left to DeepSpeed: nothing is reduced twice.
+        assert seen["flushed"] == (0 if cell.style == "c" else updates), seen
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_checkpoint_resumed_at_a_window_boundary_continues_identically(runs, stage):
+    resumed = runs["patched"][accumulation.Cell(stage, 1, "a", "adamw", resume=True).name]["snapshots"]
+    straight = runs["patched"][accumulation.Cell(stage, 1, "a", "adamw").name]["snapshots"]
+    assert max(parity.window_errors(runs["init"], resumed, straight)) < 1e-6
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_short_last_window_of_an_epoch_is_applied(runs, stage):
+    cell = accumulation.Cell(stage, 1, "short")
+    assert len(runs["patched"][cell.name]["snapshots"]) == 3
+    last_window_error = errors(runs, "patched", cell, CORRECT)[-1]
+    assert last_window_error < TOLERANCE["sgd"]
+
+
+def test_scale_mismatch_is_warned_once_per_engine(runs):
+    """3 backwards per step() with config GAS=4: DeepSpeed divides by 4 (kept, and said)."""
+    seen = runs["patched"][accumulation.Cell(2, 4, "d").name]["runtime"][0]["engine"]
+    assert seen["warnings"] == ["scale"]
+    assert runs["patched"][accumulation.Cell(2, 4, "a").name]["runtime"][0]["engine"]["warnings"] == []
+
+
+@pytest.mark.stack("latest", "2026-04")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trainer_through_deepspeed_stays_exact(tmp_path, stage):
+    """Accelerate's DeepSpeedEngineWrapper flags the boundary itself: zerofix must leave it alone."""
+    result = parity.trainer_gas(tmp_path, model="causal-lm", nproc=2, gas=8,
+                                extra_args=["--zero-stage", str(stage)])
+    for variant in ("unpatched", "patched"):
+        assert result[variant]["rel_err"] < 1e-6, (variant, result[variant])
+    for runtime in result["patched"]["rank_runtime"]:
+        (seen,) = runtime[FIX]
+        assert (seen["zero_stage"], seen["windows"], seen["flushed"]) == (stage, 1, 0), seen

@@ -1,0 +1,125 @@
+"""Raw DeepSpeed accumulation loops as data: what each rank calls, and which updates they mean.
+
+A *cell* is one loop (style, config GAS, ZeRO stage, optimizer). ``ops(cell)`` is the exact sequence of
+calls the scenario makes on every rank; ``updates(cell, semantics)`` lists, per optimizer update, the
+micro-steps it applies and the weight of each micro-step's mean loss in it. The reference trains on
+those in one float64 process. Pure Python: shared by the scenario, the reference and the tests.
+
+Loop styles (2 windows unless noted):
+  a  4 backwards then step()
+  b  backward + step() per micro-batch (DeepSpeed's documented style)
+  c  (a) with set_gradient_accumulation_boundary(i == last) before each backward (open-instruct's fix)
+  d  3 backwards then step()
+  e  (a) with gradient clipping on
+  short  an epoch of 10 micro-batches in windows of 4: the last window has 2 (config GAS=1)
+With config GAS=1 the loop divides each loss by its window's length itself (as open-instruct does);
+with config GAS=K DeepSpeed divides by K (``scale_wrt_gas``), whatever the window's length.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+STYLES = ("a", "b", "c", "d", "e", "short")
+CORRECT, LAST, NOOP = "correct", "last", "noop"
+
+
+class Cell(NamedTuple):
+    stage: int
+    gas: int  # gradient_accumulation_steps in the DeepSpeed config
+    style: str
+    optimizer: str = "sgd"  # sgd | adamw
+    overlap_comm: bool = False
+    resume: bool = False  # save a checkpoint after the first window, load it into a fresh engine
+
+    @property
+    def name(self) -> str:
+        overlap = "-overlap" if self.overlap_comm else ""
+        resume = "-resume" if self.resume else ""
+        return f"z{self.stage}{overlap}-gas{self.gas}-{self.style}-{self.optimizer}{resume}"
+
+    @property
+    def clip(self) -> float:
+        return CLIP if self.style == "e" else 0.0
+
+
+CLIP = 0.05  # below every window's gradient norm in these cells, so clipping is active
+MICRO_BATCH = 2  # samples per rank per micro-step
+
+
+def window_lengths(cell: Cell) -> list[int]:
+    if cell.style == "short":
+        return [4, 4, 2]
+    return [3, 3] if cell.style == "d" else [4, 4]
+
+
+def ops(cell: Cell) -> list[tuple]:
+    """("backward", micro_step, loss_divisor, explicit_boundary or None) and ("step", window_done)."""
+    out, m = [], 0
+    for length in window_lengths(cell):
+        divisor = length if cell.gas == 1 and cell.style != "b" else 1
+        for i in range(length):
+            explicit = (i == length - 1) if cell.style == "c" else None
+            out.append(("backward", m, divisor, explicit))
+            m += 1
+            if cell.style == "b":
+                out.append(("step", i == length - 1))
+        if cell.style != "b":
+            out.append(("step", True))
+    return out
+
+
+def updates(cell: Cell, semantics: str = CORRECT) -> list[list[list[tuple[int, float]]]]:
+    """Per window, the optimizer updates it makes; per update, ``(micro_step, weight)`` pairs: the
+    update's gradient is sum(weight * grad(mean loss of that micro-step)), averaged over ranks.
+    ``semantics``: ``correct``, ``last`` (only each window's last micro-batch survives) or ``noop``
+    (step() never updates)."""
+    result, m = [], 0
+    for length in window_lengths(cell):
+        steps = list(range(m, m + length))
+        m += length
+        if semantics == NOOP:
+            result.append([])
+        elif cell.style == "b" and cell.gas == 1:
+            result.append([[(s, 1.0)] for s in steps])
+        else:
+            divisor = (length if cell.gas == 1 else 1) * cell.gas
+            kept = steps[-1:] if semantics == LAST else steps
+            result.append([[(s, 1.0 / divisor) for s in kept]])
+    return result
+
+
+def snapshots(cell: Cell) -> int:
+    """How many parameter snapshots the scenario records: one after each window."""
+    return len(window_lengths(cell))
+
+
+def sample_indices(micro_step: int, rank: int, world: int) -> list[int]:
+    first = (micro_step * world + rank) * MICRO_BATCH
+    return list(range(first, first + MICRO_BATCH))
+
+
+def matrix(optimizers=("sgd", "adamw")) -> list[Cell]:
+    """The issue's matrix: ZeRO 0, 1, 2 (overlap_comm off/on) and 3 x config GAS {1, 4} x styles a-e."""
+    stages = [(0, False), (1, False), (2, False), (2, True), (3, False)]
+    return [Cell(stage, gas, style, opt, overlap) for stage, overlap in stages for gas in (1, 4)
+            for style in "abcde" for opt in optimizers]
+
+
+def known_unpatched(cell: Cell, deepspeed_version: str) -> str:
+    """What DeepSpeed itself does with the cell's loop (DESIGN.md §2, measured 0.14.5 to 0.19.8):
+    ``noop`` when the config GAS differs from the backwards per step() and no boundary is flagged;
+    ``last`` for ZeRO-1/2 with config GAS=1 and several backwards per step() from 0.17.6 on."""
+    from packaging.version import Version
+
+    manual = cell.style in ("a", "d", "e", "short")  # several unflagged backwards per step()
+    if manual and cell.gas > 1:
+        return NOOP
+    if manual and cell.stage in (1, 2) and Version(deepspeed_version) >= Version("0.17.6"):
+        return LAST
+    return CORRECT
+
+
+def extra_cells() -> list[Cell]:
+    """Beyond the matrix: a short last window, and a checkpoint resumed at a window boundary."""
+    return ([Cell(stage, 1, "short") for stage in (0, 1, 2, 3)]
+            + [Cell(stage, 1, "a", "adamw", resume=True) for stage in (0, 1, 2, 3)])
