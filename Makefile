@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 
 venv = .venvs/$(1)/.installed
 
-.PHONY: demo test venv clean bench
+.PHONY: demo test venv clean bench bench-ds
 .PRECIOUS: .venvs/%/.installed
 
 .venvs/%/.installed: constraints/%.txt setup.cfg setup.py
@@ -30,6 +30,10 @@ test: $(call venv,$(STACK))
 
 bench: $(call venv,$(STACK))
 	.venvs/$(STACK)/bin/python benchmarks/bench_overhead.py
+
+bench-ds: $(call venv,$(STACK))
+	OMP_NUM_THREADS=1 .venvs/$(STACK)/bin/python -m torch.distributed.run --standalone --nproc_per_node 2 \
+		benchmarks/bench_deepspeed_accumulation.py
 
 clean:
 	rm -rf .venvs build *.egg-info

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 STYLES = ("a", "b", "c", "d", "e", "short")
-CORRECT, LAST, NOOP = "correct", "last", "noop"
+CORRECT, LAST, NOOP, DOUBLE = "correct", "last", "noop", "double"
 
 
 class Cell(NamedTuple):
@@ -30,12 +30,14 @@ class Cell(NamedTuple):
     optimizer: str = "sgd"  # sgd | adamw
     overlap_comm: bool = False
     resume: bool = False  # save a checkpoint after the first window, load it into a fresh engine
+    logits: bool = False  # the model returns its logits next to the loss (loss only by default)
 
     @property
     def name(self) -> str:
         overlap = "-overlap" if self.overlap_comm else ""
         resume = "-resume" if self.resume else ""
-        return f"z{self.stage}{overlap}-gas{self.gas}-{self.style}-{self.optimizer}{resume}"
+        logits = "-logits" if self.logits else ""
+        return f"z{self.stage}{overlap}-gas{self.gas}-{self.style}-{self.optimizer}{resume}{logits}"
 
     @property
     def clip(self) -> float:
@@ -71,8 +73,8 @@ def ops(cell: Cell) -> list[tuple]:
 def updates(cell: Cell, semantics: str = CORRECT) -> list[list[list[tuple[int, float]]]]:
     """Per window, the optimizer updates it makes; per update, ``(micro_step, weight)`` pairs: the
     update's gradient is sum(weight * grad(mean loss of that micro-step)), averaged over ranks.
-    ``semantics``: ``correct``, ``last`` (only each window's last micro-batch survives) or ``noop``
-    (step() never updates)."""
+    ``semantics``: ``correct``, ``last`` (only each window's last micro-batch survives), ``noop``
+    (step() never updates) or ``double`` (every loss divided by the config GAS once more)."""
     result, m = [], 0
     for length in window_lengths(cell):
         steps = list(range(m, m + length))
@@ -82,7 +84,7 @@ def updates(cell: Cell, semantics: str = CORRECT) -> list[list[list[tuple[int, f
         elif cell.style == "b" and cell.gas == 1:
             result.append([[(s, 1.0)] for s in steps])
         else:
-            divisor = (length if cell.gas == 1 else 1) * cell.gas
+            divisor = (length if cell.gas == 1 else 1) * cell.gas * (cell.gas if semantics == DOUBLE else 1)
             kept = steps[-1:] if semantics == LAST else steps
             result.append([[(s, 1.0 / divisor) for s in kept]])
     return result
@@ -105,21 +107,40 @@ def matrix(optimizers=("sgd", "adamw")) -> list[Cell]:
             for style in "abcde" for opt in optimizers]
 
 
+def output_hook_divides_twice(cell: Cell, deepspeed_version: str) -> bool:
+    """Measured on 0.18.9 only (0.16.3 and 0.19.8 are exact): ZeRO-0/1/2 with config GAS > 1 and a
+    model that returns its logits next to the loss. The engine's output-tensor backward hook divides the
+    gradient of *every* output by GAS, and the logits lie on the loss's path, so each loss is divided
+    by GAS twice. A scaling bug of its own: zerofix's manual-accumulation fix leaves it as it is."""
+    from packaging.version import Version
+
+    return cell.logits and cell.gas > 1 and cell.stage < 3 and Version(deepspeed_version) == Version("0.18.9")
+
+
 def known_unpatched(cell: Cell, deepspeed_version: str) -> str:
     """What DeepSpeed itself does with the cell's loop (DESIGN.md §2, measured 0.14.5 to 0.19.8):
     ``noop`` when the config GAS differs from the backwards per step() and no boundary is flagged;
-    ``last`` for ZeRO-1/2 with config GAS=1 and several backwards per step() from 0.17.6 on."""
+    ``last`` for ZeRO-1/2 with config GAS=1 and several backwards per step() from 0.17.6 on;
+    ``double`` where ``output_hook_divides_twice``."""
     from packaging.version import Version
 
     manual = cell.style in ("a", "d", "e", "short")  # several unflagged backwards per step()
     if manual and cell.gas > 1:
         return NOOP
+    if output_hook_divides_twice(cell, deepspeed_version):
+        return DOUBLE
     if manual and cell.stage in (1, 2) and Version(deepspeed_version) >= Version("0.17.6"):
         return LAST
     return CORRECT
 
 
+def known_patched(cell: Cell, deepspeed_version: str) -> str:
+    """With deepspeed-manual-accumulation applied: every window applied, scaled as DeepSpeed scales."""
+    return DOUBLE if output_hook_divides_twice(cell, deepspeed_version) else CORRECT
+
+
 def extra_cells() -> list[Cell]:
     """Beyond the matrix: a short last window, and a checkpoint resumed at a window boundary."""
     return ([Cell(stage, 1, "short") for stage in (0, 1, 2, 3)]
-            + [Cell(stage, 1, "a", "adamw", resume=True) for stage in (0, 1, 2, 3)])
+            + [Cell(stage, 1, "a", "adamw", resume=True) for stage in (0, 1, 2, 3)]
+            + [Cell(stage, 4, style, logits=True) for stage in (0, 1, 2, 3) for style in "ab"])

@@ -19,8 +19,9 @@ MODEL_KINDS = ("causal-lm", "custom")
 class TinyNoKwargsLM(nn.Module):
     """Embedding -> MLP -> vocabulary, next-token loss averaged over the micro-batch's counted tokens."""
 
-    def __init__(self, vocab: int = VOCAB, hidden: int = 32):
+    def __init__(self, vocab: int = VOCAB, hidden: int = 32, loss_only: bool = False):
         super().__init__()
+        self.loss_only = loss_only  # return only the loss (no logits) when labels are given
         self.embed = nn.Embedding(vocab, hidden)
         self.mlp = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
         self.head = nn.Linear(hidden, vocab)
@@ -32,6 +33,8 @@ class TinyNoKwargsLM(nn.Module):
         out = {"logits": logits}
         if labels is not None:
             out["loss"] = next_token_ce(logits, labels, "mean")
+            if self.loss_only:
+                return {"loss": out["loss"]}
         return out
 
 
@@ -41,10 +44,10 @@ def next_token_ce(logits, labels, reduction: str):
                            ignore_index=IGNORE, reduction=reduction)
 
 
-def build_model(kind: str, seed: int = 0) -> nn.Module:
+def build_model(kind: str, seed: int = 0, *, loss_only: bool = False) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "custom":
-        return TinyNoKwargsLM()
+        return TinyNoKwargsLM(loss_only=loss_only)
     if kind == "causal-lm":
         from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -3,7 +3,8 @@
 Run under torchrun (gloo, CPU). Every cell builds a fresh engine from the same initial weights and runs
 exactly ``accumulation.ops(cell)``; after each window rank 0 stores the full parameters (gathered under
 ZeRO-3) and every rank records ``engine.get_global_grad_norm()`` after each update. ``--variants``
-``unpatched,patched`` runs the whole list without zerofix, then calls ``zerofix.patch()`` and runs it again.
+``unpatched,patched`` runs the whole list without zerofix, then calls ``zerofix.patch()`` and runs it again;
+``env`` runs it once and leaves activation to the environment (``ZEROFIX=1``, ``zerofix run``).
 
 Writes ``init.pt``, ``<variant>/<cell>.pt`` (snapshots) and ``rank{r}.json``.
 """
@@ -42,7 +43,8 @@ def ds_config(cell: accumulation.Cell) -> dict:
 def build_engine(cell, init_state):
     import deepspeed
 
-    model = models.build_model("custom", seed=1)  # weights come from init_state or the checkpoint
+    # weights come from init_state or the checkpoint
+    model = models.build_model("custom", seed=1, loss_only=not cell.logits)
     model.load_state_dict(init_state)
     optimizer = reference.OPTIMIZERS[cell.optimizer](model.parameters())
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(cell))
@@ -50,11 +52,15 @@ def build_engine(cell, init_state):
 
 
 def full_parameters(engine) -> dict:
-    import deepspeed
-
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
+    """Full fp32 parameters (collective under ZeRO-3). The optimizer's fp32 copy, not a
+    GatheredParameters read: on 0.18.9 the embedding stays "active in submodules" after a step and
+    cannot be re-partitioned when the gather context exits."""
+    if engine.zero_optimization_stage() != 3:
         return {name: p.detach().clone().float() for name, p in engine.module.named_parameters()}
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return {name: safe_get_full_fp32_param(p).detach().clone().float()
+            for name, p in engine.module.named_parameters()}
 
 
 def grad_norm(engine):
@@ -107,7 +113,7 @@ def _runtime(engine) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cells", required=True, help="JSON file: a list of Cell field dicts")
-    parser.add_argument("--variants", default="unpatched,patched")
+    parser.add_argument("--variants", default="unpatched,patched", help="unpatched, patched and/or env")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     import deepspeed

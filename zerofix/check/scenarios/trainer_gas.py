@@ -44,6 +44,22 @@ def deepspeed_config(stage: int) -> dict:
     }
 
 
+def step_without_grad_mode() -> None:
+    """DeepSpeed 0.18.x's ZeRO-1/2 optimizer step modifies a split view in place, which torch 2.13
+    rejects unless grad mode is off (a CPU/torch-version quirk, DESIGN.md §5, not a numerical bug). A
+    raw loop wraps engine.step() in torch.no_grad(); the Trainer cannot, so the scenario does it here."""
+    import torch
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    original = DeepSpeedZeroOptimizer.step
+
+    def step(self, *args, **kwargs):
+        with torch.no_grad():
+            return original(self, *args, **kwargs)
+
+    DeepSpeedZeroOptimizer.step = step
+
+
 def final_weights(model, zero_stage) -> dict:
     """Full parameters on every rank (gathered from the ZeRO-3 partitions; collective)."""
     import contextlib
@@ -119,6 +135,8 @@ def main(argv=None):
         PartialState(backend="gloo")  # accelerate >= 1.13 on CPU otherwise sees one process
     import zerofix
 
+    if args.zero_stage is not None:
+        step_without_grad_mode()
     if args.zerofix in ("off", "both"):
         train(args, "unpatched", out, world, rank)
     if args.zerofix in ("on", "both"):

@@ -1,0 +1,205 @@
+"""What deepspeed-manual-accumulation costs, measured side by side in one run (2 gloo ranks, CPU).
+
+Launch: ``python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_deepspeed_accumulation.py``
+(``make bench-ds``).
+
+1. Per call: the real ``backward`` / ``step`` wrappers, bound through wrapt exactly as ``patch()`` installs
+   them, around a no-op method on a real ZeRO-2 engine, against the bare no-op (the reduction a flush runs
+   is the work a boundary backward would have done, so it is stubbed out here and counted in 3).
+2. End to end, DeepSpeed's own style (backward + step per micro-batch, config GAS=4: zerofix only
+   observes it) unpatched vs patched, windows interleaved, median.
+3. Communication: every torch.distributed collective counted (calls and elements) over one window, for
+   DeepSpeed's own boundary (config GAS=4, backward + step per micro-batch, unpatched) and zerofix's lazy
+   boundary (config GAS=1, 4 backwards then one step, patched), per ZeRO stage. The first window warms up.
+
+Targets (issue 3): < 10 us per wrapped call; the flush communicates no more than a boundary backward.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import statistics
+import sys
+import timeit
+
+import torch
+import torch.distributed as dist
+
+# Count collectives at the torch level, installed before DeepSpeed caches any of these functions.
+COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+               "_reduce_scatter_base", "all_gather", "all_gather_into_tensor", "_all_gather_base",
+               "broadcast", "all_to_all_single", "barrier")
+calls: collections.Counter = collections.Counter()
+elements: collections.Counter = collections.Counter()
+
+
+def _counting(name, fn):
+    def counted(*args, **kwargs):
+        calls[name] += 1
+        tensor = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        elements[name] += tensor.numel() if tensor is not None else 0
+        return fn(*args, **kwargs)
+    return counted
+
+
+for _name in COLLECTIVES:
+    for _module in (dist, dist.distributed_c10d):
+        if hasattr(_module, _name):
+            setattr(_module, _name, _counting(_name, getattr(_module, _name)))
+
+import deepspeed  # noqa: E402
+
+import zerofix  # noqa: E402
+from zerofix.check import accumulation, models  # noqa: E402
+from zerofix.check.scenarios.ds_accumulation import ds_config  # noqa: E402
+
+FIX = "deepspeed-manual-accumulation"
+N_CALLS = int(os.environ.get("BENCH_CALLS", "20000"))
+N_WINDOWS = int(os.environ.get("BENCH_WINDOWS", "15"))
+
+
+def engine_for(stage: int, gas: int):
+    model = models.build_model("custom", seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cell = accumulation.Cell(stage, gas, "a")
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(cell))
+    return engine
+
+
+def batch_for(micro_step: int):
+    return models.collate(accumulation.sample_indices(micro_step, dist.get_rank(), dist.get_world_size()))
+
+
+def micro(engine, micro_step):
+    loss = engine(**batch_for(micro_step))["loss"]
+    engine.backward(loss)
+
+
+def step(engine):
+    with torch.no_grad():
+        engine.step()
+
+
+# ----------------------------------------------------------------------------- 1. per call
+def per_call_us() -> dict:
+    import wrapt
+
+    from zerofix.fixes import deepspeed_manual_accumulation as fix
+
+    engine = engine_for(2, 1)
+    cls = type(engine)
+    loss = torch.zeros(())
+
+    def noop_backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        return loss
+
+    def noop_step(self, lr_kwargs=None):
+        return None
+
+    wrapped_backward = wrapt.FunctionWrapper(noop_backward, fix.backward)
+    wrapped_step = wrapt.FunctionWrapper(noop_step, fix.step)
+    real_reduce = fix._reduce_as_boundary
+    fix._reduce_as_boundary = lambda engine, stage: None  # the reduction itself is counted in part 3
+    try:
+        def window(backward_fn, step_fn):
+            for _ in range(4):
+                backward_fn.__get__(engine, cls)(loss)
+            step_fn.__get__(engine, cls)()
+
+        out = {}
+        for label, b, s in (("bare", noop_backward, noop_step), ("zerofix", wrapped_backward, wrapped_step)):
+            # median of 5 runs of N_CALLS/5 windows (4 backwards + 1 flushing step each)
+            n = N_CALLS // 5
+            times = [timeit.timeit(lambda: window(b, s), number=n) / n for _ in range(5)]
+            out[label] = statistics.median(times) * 1e6
+        # per call: a window is 5 calls
+        out["added_per_call_us"] = (out["zerofix"] - out["bare"]) / 5
+        back = [timeit.timeit(lambda: wrapped_backward.__get__(engine, cls)(loss), number=N_CALLS)
+                - timeit.timeit(lambda: noop_backward.__get__(engine, cls)(loss), number=N_CALLS)
+                for _ in range(3)]
+        out["added_per_backward_us"] = statistics.median(back) / N_CALLS * 1e6
+        out["added_per_flushing_step_us"] = (out["zerofix"] - out["bare"]) - 4 * out["added_per_backward_us"]
+        return out
+    finally:
+        fix._reduce_as_boundary = real_reduce
+
+
+# ----------------------------------------------------------------------------- 2. end to end
+def own_style_window_ms() -> dict:
+    engines = {"unpatched": engine_for(2, 4), "patched": engine_for(2, 4)}
+    times = collections.defaultdict(list)
+    for w in range(N_WINDOWS + 1):
+        for label in ("unpatched", "patched"):
+            if label == "patched":
+                zerofix.patch(fixes=[FIX])
+            dist.barrier()
+            t0 = timeit.default_timer()
+            for i in range(4):
+                micro(engines[label], 4 * w + i)
+                step(engines[label])
+            dist.barrier()
+            if w:  # window 0 warms up
+                times[label].append((timeit.default_timer() - t0) * 1e3)
+            zerofix.unpatch()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+# ----------------------------------------------------------------------------- 3. communication
+def window_collectives(stage: int, gas: int, style: str, patched: bool) -> dict:
+    if patched:
+        zerofix.patch(fixes=[FIX])
+    try:
+        engine = engine_for(stage, gas)
+        result = {}
+        for w in range(2):
+            calls.clear()
+            elements.clear()
+            for i in range(4):
+                micro(engine, 4 * w + i)
+                if style == "b":
+                    step(engine)
+            if style == "a":
+                step(engine)
+            result = {"calls": dict(calls), "elements": dict(elements)}
+        return result
+    finally:
+        zerofix.unpatch()
+
+
+def main() -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    report = {"deepspeed": deepspeed.__version__, "world": dist.get_world_size()}
+    report["per_call_us"] = per_call_us()
+    report["own_style_window_ms"] = own_style_window_ms()
+    report["collectives"] = {}
+    for stage in (0, 1, 2, 3):
+        boundary = window_collectives(stage, 4, "b", patched=False)
+        lazy = window_collectives(stage, 1, "a", patched=True)
+        last_only = window_collectives(stage, 1, "a", patched=False)
+        report["collectives"][f"ZeRO-{stage}"] = {"deepspeed boundary (GAS=4, own style)": boundary,
+                                                  "zerofix lazy boundary (GAS=1, 4 backwards + step)": lazy,
+                                                  "unpatched GAS=1, 4 backwards + step": last_only}
+    if rank == 0:
+        print(json.dumps(report, indent=1))
+        pc, e2e = report["per_call_us"], report["own_style_window_ms"]
+        print(f"\nper backward call: +{pc['added_per_backward_us']:.2f} us; per flushing step(): "
+              f"+{pc['added_per_flushing_step_us']:.2f} us (target < 10 us)")
+        print(f"DeepSpeed's own style, ZeRO-2, one 4-micro-batch window: unpatched {e2e['unpatched']:.2f} ms, "
+              f"patched {e2e['patched']:.2f} ms (x{e2e['patched'] / e2e['unpatched']:.3f})")
+        print("\ncollective calls per window (elements):")
+        for stage, rows in report["collectives"].items():
+            for label, counts in rows.items():
+                total = sum(counts["calls"].values())
+                detail = ", ".join(f"{k} {v} ({counts['elements'][k]})" for k, v in sorted(counts["calls"].items()))
+                print(f"  {stage:7s} {label:52s} {total:3d}: {detail}")
+        if len(sys.argv) > 1:
+            with open(sys.argv[1], "w") as f:
+                json.dump(report, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
