@@ -32,7 +32,8 @@ bench: $(call venv,$(STACK))
 	.venvs/$(STACK)/bin/python benchmarks/bench_overhead.py
 
 bench-ds: $(call venv,$(STACK))
-	OMP_NUM_THREADS=1 .venvs/$(STACK)/bin/python -m torch.distributed.run --standalone --nproc_per_node 2 \
+	OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=$(CURDIR)/.venvs/$(STACK)/.torch_extensions \
+		.venvs/$(STACK)/bin/python -m torch.distributed.run --standalone --nproc_per_node 2 \
 		benchmarks/bench_deepspeed_accumulation.py
 
 clean:

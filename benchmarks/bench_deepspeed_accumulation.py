@@ -111,7 +111,7 @@ def per_call_us() -> dict:
         for label, b, s in (("bare", noop_backward, noop_step), ("zerofix", wrapped_backward, wrapped_step)):
             # median of 5 runs of N_CALLS/5 windows (4 backwards + 1 flushing step each)
             n = N_CALLS // 5
-            times = [timeit.timeit(lambda: window(b, s), number=n) / n for _ in range(5)]
+            times = [timeit.timeit(lambda b=b, s=s: window(b, s), number=n) / n for _ in range(5)]
             out[label] = statistics.median(times) * 1e6
         # per call: a window is 5 calls
         out["added_per_call_us"] = (out["zerofix"] - out["bare"]) / 5

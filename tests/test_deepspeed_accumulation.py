@@ -12,6 +12,7 @@ Patched, every cell must equal the reference.
 from __future__ import annotations
 
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
@@ -129,3 +130,25 @@ def test_environment_activation_reaches_every_rank_and_logs_once_per_engine(tmp_
                   if line.startswith(f"[zerofix rank {rank}] INFO {FIX}: active on a DeepSpeed engine")]
         assert len(active) == len(cells), log[-3000:]
     assert f"[zerofix rank 0] WARNING {FIX}: DeepSpeed divided each loss of this 3-micro-batch window" in log
+
+
+def test_the_flush_communicates_exactly_what_a_boundary_backward_does(tmp_path):
+    """benchmarks/bench_deepspeed_accumulation.py counts every torch.distributed collective (calls and
+    elements) of one window; zerofix's lazy boundary must match DeepSpeed's own boundary on every stage.
+    The timings it also prints are the benchmark's business, not this test's."""
+    import json
+    import subprocess
+    import sys
+
+    from zerofix.check.launch import scenario_env
+
+    out = tmp_path / "bench.json"
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_deepspeed_accumulation.py"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(bench), str(out)], env=scenario_env({"BENCH_CALLS": "500", "BENCH_WINDOWS": "1"}),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for stage, rows in json.loads(out.read_text())["collectives"].items():
+        boundary, lazy, _unpatched = rows.values()
+        assert lazy == boundary, (stage, rows)
+        assert sum(boundary["calls"].values()) > 0

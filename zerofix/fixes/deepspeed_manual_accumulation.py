@@ -32,7 +32,11 @@ FIX_ID = "deepspeed-manual-accumulation"
 _ZERO12_API = ("reduce_ready_partitions_and_remove_grads", "overlapping_partition_gradients_reduce_epilogue",
                "bit16_groups")
 _STATE_KEY = "_zerofix_accumulation"  # lives in engine.__dict__: no nn.Module.__setattr__ per call
-_engines: "weakref.WeakSet" = weakref.WeakSet()
+# The engine's boundary flag (None: DeepSpeed's schedule decides). Written through engine.__dict__:
+# nn.Module.__setattr__ costs ~1.3 us, a quarter of the wrappers' whole budget. Every release copies it
+# to the optimizer when a backward starts, so the engine's copy is the one to set for a backward.
+_FLAG = "_is_gradient_accumulation_boundary"
+_engines: weakref.WeakSet = weakref.WeakSet()
 _scale_wrt_gas_position = 2  # index of scale_wrt_gas in backward's positional args (after self)
 
 
@@ -95,6 +99,8 @@ class _EngineState:
 
 def _eligibility(engine, stage: int) -> tuple[bool, str]:
     """Whether the lazy boundary is known to be exact for this engine's reduction path."""
+    if _FLAG not in engine.__dict__:
+        return False, f"the engine has no {_FLAG} attribute: not measured"
     if getattr(engine, "pipeline_parallelism", False):
         return False, "pipeline engine: boundaries come from its schedule"
     managed = getattr(engine, "managed_gradient_accumulation", None)
@@ -129,16 +135,17 @@ def _state(engine) -> _EngineState:
 
 # ----------------------------------------------------------------------------- wrappers
 def backward(wrapped, engine, args, kwargs):
-    state = _state(engine)
+    flags = engine.__dict__
+    state = flags.get(_STATE_KEY) or _state(engine)
     if not state.eligible:
         return wrapped(*args, **kwargs)
-    explicit = engine._is_gradient_accumulation_boundary
+    explicit = flags[_FLAG]
     if explicit is None:
-        engine.set_gradient_accumulation_boundary(False)  # lazy: the step() decides whether this window ends
+        flags[_FLAG] = False  # lazy: the step() decides whether this window ends
         try:
             result = wrapped(*args, **kwargs)
         finally:
-            engine._is_gradient_accumulation_boundary = None  # back to DeepSpeed's schedule
+            flags[_FLAG] = None  # back to DeepSpeed's schedule
     else:
         result = wrapped(*args, **kwargs)
     pos = _scale_wrt_gas_position
@@ -154,25 +161,27 @@ def backward(wrapped, engine, args, kwargs):
 
 
 def step(wrapped, engine, args, kwargs):
-    state = engine.__dict__.get(_STATE_KEY)
+    flags = engine.__dict__
+    state = flags.get(_STATE_KEY)
     if state is None or not state.eligible:
         return wrapped(*args, **kwargs)
     counter = state.counter
-    plan = counter.plan_step(explicit_boundary=engine._is_gradient_accumulation_boundary,
-                             schedule_boundary=engine.is_gradient_accumulation_boundary())
+    explicit = flags[_FLAG]
+    schedule = explicit is None and engine.is_gradient_accumulation_boundary()
+    plan = counter.plan_step(explicit_boundary=explicit, schedule_boundary=schedule)
     if plan.action != FLUSH:
-        if engine._is_gradient_accumulation_boundary is None and engine.is_gradient_accumulation_boundary():
+        if schedule:
             plan = plan._replace(micro_batches=counter.pending)  # DeepSpeed's own boundary closes it
         result = wrapped(*args, **kwargs)
         counter.stepped(plan)
         return result
     _warn_scale(state, engine, plan)
-    engine.set_gradient_accumulation_boundary(True)
+    engine.set_gradient_accumulation_boundary(True)  # the public call: the optimizer's copy matters here
     try:
         _reduce_as_boundary(engine, state.stage)
         result = wrapped(*args, **kwargs)
     finally:
-        engine._is_gradient_accumulation_boundary = None
+        flags[_FLAG] = None
     counter.stepped(plan)
     return result
 

@@ -1,0 +1,55 @@
+"""Which engines the lazy boundary takes over, and which it passes through (no DeepSpeed needed: the
+decision reads a handful of engine attributes; the reductions themselves are tested on real engines in
+test_deepspeed_accumulation.py)."""
+from __future__ import annotations
+
+import pytest
+
+from zerofix.fixes.deepspeed_manual_accumulation import _eligibility
+
+
+class Engine:
+    def __init__(self, optimizer, *, fp16=False, bf16=False, managed=True, pipeline=False, flag=True):
+        if flag:
+            self._is_gradient_accumulation_boundary = None
+        self.optimizer, self.pipeline_parallelism = optimizer, pipeline
+        self._fp16, self._bf16, self._managed = fp16, bf16, managed
+
+    def fp16_enabled(self):
+        return self._fp16
+
+    def bfloat16_enabled(self):
+        return self._bf16
+
+    def managed_gradient_accumulation(self):
+        return self._managed
+
+
+class Zero12:
+    bit16_groups = ()
+    cpu_offload = False
+
+    def reduce_ready_partitions_and_remove_grads(self, param, i): ...
+
+    def overlapping_partition_gradients_reduce_epilogue(self): ...
+
+
+class Offloaded(Zero12):
+    cpu_offload = True
+
+
+@pytest.mark.parametrize("engine, stage, eligible, why", [
+    (Engine(object()), 0, True, "allreduce"),
+    (Engine(object(), bf16=True), 0, False, "fp16/bf16"),
+    (Engine(Zero12()), 1, True, "bucket"),
+    (Engine(Zero12()), 2, True, "bucket"),
+    (Engine(Offloaded()), 2, False, "offload"),
+    (Engine(object()), 2, False, "not measured"),  # an optimizer without ZeRO-1/2's reduction API
+    (Engine(object()), 3, True, "flag"),
+    (Engine(Zero12(), managed=False), 2, False, "managed_gradient_accumulation"),
+    (Engine(Zero12(), pipeline=True), 2, False, "pipeline"),
+    (Engine(Zero12(), flag=False), 2, False, "_is_gradient_accumulation_boundary"),
+])
+def test_eligibility(engine, stage, eligible, why):
+    ok, reason = _eligibility(engine, stage)
+    assert ok is eligible and why in reason, reason
