@@ -64,6 +64,7 @@ def test_patched_matches_the_reference(runs, cell):
     semantics = accumulation.known_patched(cell, metadata.version("deepspeed"))
     assert max(errors(runs, "patched", cell, semantics)) < TOLERANCE[cell.optimizer], semantics
     _, norms = expected(runs, cell, semantics)
+    assert not cell.clip or min(norms) > cell.clip  # clipping really acts in style (e)
     for rank_norms in result["norms"]:
         if cell.stage == 0:  # DeepSpeed reports no norm for a ZeRO-0 torch optimizer
             assert rank_norms == [None] * len(norms)
