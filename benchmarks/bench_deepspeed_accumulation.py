@@ -197,8 +197,9 @@ def main() -> None:
         if len(sys.argv) > 1:
             with open(sys.argv[1], "w") as f:
                 json.dump(report, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    from zerofix.check.scenarios import finish
+
+    finish()
 
 
 if __name__ == "__main__":

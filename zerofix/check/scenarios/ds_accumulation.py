@@ -147,8 +147,9 @@ def main() -> None:
             if rank == 0 and checkpoint_dir.exists():
                 shutil.rmtree(checkpoint_dir)
     (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    from zerofix.check.scenarios import finish
+
+    finish()
 
 
 if __name__ == "__main__":

@@ -144,13 +144,9 @@ def main(argv=None):
         train(args, "patched", out, world, rank)
     if args.zerofix == "env":
         train(args, "env", out, world, rank)
-    import torch.distributed as dist
+    from zerofix.check.scenarios import finish
 
-    if dist.is_available() and dist.is_initialized():
-        # Left to interpreter exit, gloo's threads sometimes die with "terminate called without an
-        # active exception" (SIGABRT on one rank) after the results are written.
-        dist.barrier()
-        dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":
