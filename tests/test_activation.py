@@ -1,6 +1,7 @@
 """Activation without code changes: environment parsing, the .pth file, ``zerofix run``."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -70,8 +71,12 @@ def test_pth_file_is_installed_in_site_packages():
 
 
 def test_regular_wheel_ships_the_pth_at_its_root(tmp_path):
+    # Built from a copy: a build in the checkout leaves build/ and *.egg-info behind.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".venvs", ".git", "build", "*.egg-info", "__pycache__", "tests", "benchmarks", "constraints"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=300)
+                    "-w", str(tmp_path), str(src)], check=True, capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("zerofix-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     record = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("RECORD"))).decode()
