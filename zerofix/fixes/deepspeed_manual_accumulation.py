@@ -131,8 +131,6 @@ def _state(engine) -> _EngineState:
     return state
 
 
-
-
 # ----------------------------------------------------------------------------- wrappers
 def backward(wrapped, engine, args, kwargs):
     flags = engine.__dict__
@@ -170,12 +168,10 @@ def step(wrapped, engine, args, kwargs):
     schedule = explicit is None and engine.is_gradient_accumulation_boundary()
     plan = counter.plan_step(explicit_boundary=explicit, schedule_boundary=schedule)
     if plan.action != FLUSH:
-        if schedule:
-            plan = plan._replace(micro_batches=counter.pending)  # DeepSpeed's own boundary closes it
         result = wrapped(*args, **kwargs)
         counter.stepped(plan)
         return result
-    _warn_scale(state, engine, plan)
+    _warn_scale(state, plan)
     engine.set_gradient_accumulation_boundary(True)  # the public call: the optimizer's copy matters here
     try:
         _reduce_as_boundary(engine, state.stage)
@@ -186,7 +182,7 @@ def step(wrapped, engine, args, kwargs):
     return result
 
 
-def _warn_scale(state: _EngineState, engine, plan: StepPlan) -> None:
+def _warn_scale(state: _EngineState, plan: StepPlan) -> None:
     divisor = state.counter.scale_mismatch(plan.micro_batches)
     if divisor is not None:
         state.warn_once("scale", "%s: DeepSpeed divided each loss of this %d-micro-batch window by "
