@@ -38,12 +38,23 @@ class Offloaded(Zero12):
     cpu_offload = True
 
 
+class Zero12Buckets1718(Zero12):  # deepspeed 0.17.x - 0.18.2: ipg_buckets, no setup_buckets
+    ipg_buckets = {}
+
+
+class Zero12Buckets(Zero12Buckets1718):  # >= 0.18.3
+    def setup_buckets(self): ...
+
+
 @pytest.mark.parametrize("engine, stage, eligible, why", [
     (Engine(object()), 0, True, "allreduce"),
     (Engine(object(), bf16=True), 0, False, "fp16/bf16"),
     (Engine(Zero12()), 1, True, "bucket"),
     (Engine(Zero12()), 2, True, "bucket"),
     (Engine(Offloaded()), 2, False, "offload"),
+    (Engine(Zero12Buckets1718()), 2, False, "0.17.x-0.18.2"),
+    (Engine(Zero12Buckets1718()), 1, True, "bucket"),
+    (Engine(Zero12Buckets()), 2, True, "bucket"),
     (Engine(object()), 2, False, "not measured"),  # an optimizer without ZeRO-1/2's reduction API
     (Engine(object()), 3, True, "flag"),
     (Engine(Zero12(), managed=False), 2, False, "managed_gradient_accumulation"),

@@ -108,13 +108,14 @@ def matrix(optimizers=("sgd", "adamw")) -> list[Cell]:
 
 
 def output_hook_divides_twice(cell: Cell, deepspeed_version: str) -> bool:
-    """Measured on 0.18.9 only (0.16.3 and 0.19.8 are exact): ZeRO-0/1/2 with config GAS > 1 and a
-    model that returns its logits next to the loss. The engine's output-tensor backward hook divides the
-    gradient of *every* output by GAS, and the logits lie on the loss's path, so each loss is divided
-    by GAS twice. A scaling bug of its own: zerofix's manual-accumulation fix leaves it as it is."""
-    from packaging.version import Version
+    """ZeRO-0/1/2 with config GAS > 1 and a model that returns its logits next to the loss: the engine's
+    output-tensor backward hook divides the gradient of *every* output by GAS, and the logits lie on the
+    loss's path, so each loss is divided by GAS twice. Measured on 0.18.3 and 0.18.9; 0.16.3, 0.18.0
+    and 0.19.8 are exact. A scaling bug of its own: the manual-accumulation fix leaves it as it is."""
+    from packaging.specifiers import SpecifierSet
 
-    return cell.logits and cell.gas > 1 and cell.stage < 3 and Version(deepspeed_version) == Version("0.18.9")
+    return (cell.logits and cell.gas > 1 and cell.stage < 3
+            and SpecifierSet(">=0.18.3,<0.19").contains(deepspeed_version, prereleases=True))
 
 
 def known_unpatched(cell: Cell, deepspeed_version: str) -> str:

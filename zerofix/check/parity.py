@@ -61,6 +61,7 @@ def ds_accumulation(out_dir, cells, *, nproc: int = 2, variants=("unpatched", "p
                 "snapshots": torch.load(out_dir / variant / f"{cell.name}.pt"),
                 "norms": [r["cells"][variant][cell.name]["norms"] for r in records],
                 "runtime": [r["cells"][variant][cell.name]["runtime"] for r in records],
+                "errors": [r["cells"][variant][cell.name].get("error") for r in records],
             }
             for cell in cells
         }

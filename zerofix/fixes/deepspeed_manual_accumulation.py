@@ -116,6 +116,11 @@ def _eligibility(engine, stage: int) -> tuple[bool, str]:
             return False, f"ZeRO-{stage} optimizer {type(opt).__name__}: not measured"
         if getattr(opt, "cpu_offload", False):
             return False, f"ZeRO-{stage} with optimizer offload: not measured"
+        if stage == 2 and hasattr(opt, "ipg_buckets") and not hasattr(opt, "setup_buckets"):
+            # deepspeed 0.17.x - 0.18.2 (0.18.0 measured): each backward's epilogue releases the
+            # partition's accumulated gradients, so a reduction at step() finds nothing (zero update).
+            return False, ("ZeRO-2 on deepspeed 0.17.x-0.18.2: the epilogue releases accumulated "
+                           "gradients, a flush at step() cannot apply them (measured on 0.18.0)")
         return True, f"ZeRO-{stage}: bucket reduction at step()"
     return True, "ZeRO-3: boundary flag at step()"
 
@@ -212,9 +217,11 @@ def _reduce_zero12(opt) -> None:
 
 
 def _prepare_buckets(opt) -> None:
-    """The reduction buckets a backward sets up and the epilogue releases."""
-    if hasattr(opt, "setup_buckets"):  # deepspeed >= 0.17
+    """The reduction buckets a backward sets up and the epilogue releases (three layouts so far)."""
+    if hasattr(opt, "setup_buckets"):  # deepspeed >= 0.18.3
         opt.setup_buckets()
+    elif hasattr(opt, "ipg_buckets"):  # 0.17.x - 0.18.2: the same work, named backward_prologue
+        opt.backward_prologue()
     elif getattr(opt, "contiguous_gradients", False):  # before: what optimizer.backward() allocated
         import torch
         from deepspeed.accelerator import get_accelerator

@@ -136,7 +136,12 @@ def main() -> None:
         results = record["cells"][variant] = {}
         for cell in cells:
             checkpoint_dir = out / "checkpoints" / variant / cell.name
-            result = run_cell(cell, init_state, rank, world, checkpoint_dir)
+            try:
+                result = run_cell(cell, init_state, rank, world, checkpoint_dir)
+            except Exception as exc:  # noqa: BLE001 - a release that raises is a result (0.18.0: TypeError)
+                # Recorded, and the next cell runs: DeepSpeed raises the same way on every rank here.
+                result = {"snapshots": [], "norms": [], "runtime": None, "error": f"{type(exc).__name__}: {exc}"}
+                gc.collect()
             if rank == 0:
                 (out / variant).mkdir(parents=True, exist_ok=True)
                 torch.save(result.pop("snapshots"), out / variant / f"{cell.name}.pt")
