@@ -251,3 +251,26 @@ def test_environment_activation_logs_each_applied_fix_once(lib):
         assert core.Engine().step(1) == 4
     """, env={"ZEROFIX": "1", "ZEROFIX_LOG": "info"})
     assert proc.stderr.count("[zerofix] INFO fake-fix: applied") == 1, proc.stderr
+
+
+def test_two_fixes_on_one_attribute_layer_in_any_order(lib):
+    """The DeepSpeed fixes share DeepSpeedEngine.backward: layers compose, and removing either one
+    leaves the other, innermost first in catalogue order; removing both restores the raw function."""
+    (lib / "plusfix.py").write_text(FAKEFIX.replace("return 2 * wrapped(*args, **kwargs)",
+                                                    "return wrapped(*args, **kwargs) + 10"))
+    check(lib, """
+        catalogue.FIXES += (catalogue.FIXES[0]._replace(id="plus-fix", implementation="plusfix"),)
+        import fakelib.core as core
+        raw = vars(core.Engine)["step"]
+        zerofix.patch()
+        assert [r.state for r in zerofix.status()] == ["applied", "applied"]
+        assert core.Engine().step(1) == 2 * 2 + 10  # fake-fix (first in the catalogue) is inside
+        zerofix.unpatch(["fake-fix"])
+        assert core.Engine().step(1) == 2 + 10
+        zerofix.patch(["fake-fix"])
+        assert core.Engine().step(1) == 2 * 2 + 10  # the order follows the catalogue, not the calls
+        zerofix.unpatch(["plus-fix"])
+        assert core.Engine().step(1) == 4
+        zerofix.unpatch()
+        assert vars(core.Engine)["step"] is raw
+    """)

@@ -41,8 +41,20 @@ class Offloaded(Zero12):
 class Zero12Buckets1718(Zero12):  # deepspeed 0.17.x - 0.18.2: ipg_buckets, no setup_buckets
     ipg_buckets = {}
 
+    def independent_gradient_partition_epilogue(self):  # the shape of 0.17.6-0.18.2's broken test
+        for i in range(len(self.bit16_groups)):
+            if self.averaged_gradients.get(i) is None:
+                self.all_grad_tensors[i] = []
 
-class Zero12Buckets(Zero12Buckets1718):  # >= 0.18.3
+
+class Zero12Buckets1715(Zero12Buckets1718):  # the same layout with a sound accumulator test
+    def independent_gradient_partition_epilogue(self):
+        for i in range(len(self.bit16_groups)):
+            if self.all_grad_tensors.get(i) is None:
+                self.all_grad_tensors[i] = []
+
+
+class Zero12Buckets(Zero12Buckets1715):  # >= 0.18.3
     def setup_buckets(self): ...
 
 
@@ -52,7 +64,8 @@ class Zero12Buckets(Zero12Buckets1718):  # >= 0.18.3
     (Engine(Zero12()), 1, True, "bucket"),
     (Engine(Zero12()), 2, True, "bucket"),
     (Engine(Offloaded()), 2, False, "offload"),
-    (Engine(Zero12Buckets1718()), 2, False, "0.17.x-0.18.2"),
+    (Engine(Zero12Buckets1718()), 2, False, "without deepspeed-zero12-accumulator"),
+    (Engine(Zero12Buckets1715()), 2, True, "bucket"),
     (Engine(Zero12Buckets1718()), 1, True, "bucket"),
     (Engine(Zero12Buckets()), 2, True, "bucket"),
     (Engine(object()), 2, False, "not measured"),  # an optimizer without ZeRO-1/2's reduction API
@@ -64,3 +77,11 @@ class Zero12Buckets(Zero12Buckets1718):  # >= 0.18.3
 def test_eligibility(engine, stage, eligible, why):
     ok, reason = _eligibility(engine, stage)
     assert ok is eligible and why in reason, reason
+
+
+def test_zero2_on_the_broken_accumulator_is_taken_over_once_it_is_fixed(monkeypatch):
+    from zerofix import patching
+
+    monkeypatch.setattr(patching, "is_applied", lambda fix_id: fix_id == "deepspeed-zero12-accumulator")
+    ok, reason = _eligibility(Engine(Zero12Buckets1718()), 2)
+    assert ok and "bucket" in reason, reason

@@ -76,6 +76,39 @@ FIXES: tuple[Fix, ...] = (
         where="N x engine.backward() then one engine.step(): ZeRO-1/2 with config GAS=1 keep only the last "
         "micro-batch (>= 0.17.6); any stage with config GAS=K != N makes step() a silent no-op",
     ),
+    Fix(
+        id="deepspeed-zero12-accumulator",
+        title="ZeRO-1/2's accumulator restarts every micro-step: ZeRO-2 applies only the last micro-batch",
+        dist="deepspeed",
+        # 0.18.0 measured (Trainer and raw loops); the structural check finds the same method in the
+        # 0.17.6 and 0.18.2 sources, not in 0.17.5 (no such accumulator) or 0.18.3 (corrected).
+        affected=">=0.17.6,<0.18.3",
+        targets=(
+            Target("deepspeed.runtime.zero.stage_1_and_2",
+                   "DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue", "epilogue"),
+        ),
+        implementation="zerofix.fixes.deepspeed_zero12_accumulator",
+        upstream=("https://github.com/deepspeedai/DeepSpeed/releases/tag/v0.18.3",),
+        fixed_in="0.18.3",
+        where="ZeRO-2 with gradient_accumulation_steps > 1, DeepSpeed's own loop (backward + step per "
+        "micro-batch) or the Trainer/Accelerate: only the last micro-batch of each window is applied; "
+        "ZeRO-1/2 manual accumulation raises TypeError",
+    ),
+    Fix(
+        id="deepspeed-scale-wrt-gas",
+        title="engine.backward(loss, scale_wrt_gas=False) still divides the gradient by GAS",
+        dist="deepspeed",
+        affected="==0.18.3",  # the hook is new in 0.18.3 (absent from 0.18.2's source), 0.18.4 honours the flag
+        targets=(
+            Target("deepspeed.runtime.engine", "DeepSpeedEngine.backward", "backward"),
+            Target("deepspeed.runtime.engine", "DeepSpeedEngine._backward_prologue_per_tensor", "per_tensor"),
+        ),
+        implementation="zerofix.fixes.deepspeed_scale_wrt_gas",
+        upstream=("https://github.com/deepspeedai/DeepSpeed/pull/7724",),
+        fixed_in="0.18.4",
+        where="Trainer with DeepSpeed and GAS > 1 (it passes scale_wrt_gas=False): updates are 1/GAS, and "
+        "1/GAS**2 under ZeRO-0/1/2 for a model that returns its logits next to the loss",
+    ),
 )
 
 

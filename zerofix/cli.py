@@ -36,6 +36,14 @@ def _status(args) -> int:
     return 0
 
 
+def _link_text(url: str) -> str:
+    """github.com/<owner>/<repo>/(issues|pull)/<n> -> "<repo> #<n>"; .../releases/tag/<t> -> "<repo> <t>"."""
+    parts = url.rstrip("/").split("/")
+    if parts[-2] == "tag":
+        return f"{parts[-4]} {parts[-1]}"
+    return f"{parts[-3]} #{parts[-1]}"
+
+
 def markdown_table() -> str:
     """The README's fix table, generated from the catalogue (a test keeps the README in sync)."""
     from zerofix import catalogue
@@ -43,9 +51,7 @@ def markdown_table() -> str:
     lines = ["| fix | library | affected releases | fixed upstream in | where | upstream |",
              "|---|---|---|---|---|---|"]
     for fix in catalogue.FIXES:
-        # https://github.com/<owner>/<repo>/(issues|pull)/<n>  ->  [<repo> #<n>](url)
-        links = ", ".join(f"[{u.rstrip('/').split('/')[-3]} #{u.rstrip('/').split('/')[-1]}]({u})"
-                          for u in fix.upstream)
+        links = ", ".join(f"[{_link_text(u)}]({u})" for u in fix.upstream)
         lines.append(f"| `{fix.id}` | {fix.dist} | `{fix.affected}` | {fix.fixed_in or 'not yet'} "
                      f"| {fix.where} | {links} |")
     return "\n".join(lines)

@@ -5,6 +5,10 @@ submodule -> version guard (PEP 440, prereleases allowed) -> structural guard (t
 ``structural_check``) -> wrapt ``FunctionWrapper`` installed at class level on every target, all or
 nothing. An identity registry keyed on ``(owner, name)`` keeps the raw ``vars(owner)[name]`` so that
 ``unpatch()`` puts back exactly what was there (or removes the attribute if it was inherited).
+
+Several fixes may wrap the same attribute (the DeepSpeed fixes all need ``DeepSpeedEngine.backward``).
+Their wrappers are layers around the one raw value, innermost first in catalogue order, and the chain is
+rebuilt from the raw value whenever a fix comes or goes: fixes layer, in any patch/unpatch order.
 """
 from __future__ import annotations
 
@@ -48,19 +52,44 @@ class Record(NamedTuple):
         return dict(self._asdict())
 
 
-class _Installed(NamedTuple):
-    owner: object
-    name: str
-    raw: object  # what vars(owner)[name] held, or None when the attribute was inherited
-    had_own: bool
-    wrapper: object
+class _Slot:
+    """One attribute zerofix wraps: the raw value it found and the fixes layered on it."""
+
+    __slots__ = ("owner", "name", "raw", "had_own", "layers", "current")
+
+    def __init__(self, owner, name):
+        self.owner, self.name = owner, name
+        self.had_own = name in vars(owner)
+        # what vars(owner)[name] held, or the inherited value the layers wrap
+        self.raw = vars(owner)[name] if self.had_own else getattr(owner, name)
+        self.layers: dict[str, object] = {}  # fix id -> wrapper function
+        self.current = None  # the outermost FunctionWrapper zerofix set, None when nothing is set
+
+    def rebuild(self) -> None:
+        """Set owner.name to raw wrapped by every layer (catalogue order, innermost first), or put raw
+        back when no layer is left."""
+        if not self.layers:
+            if self.had_own:
+                setattr(self.owner, self.name, self.raw)
+            elif vars(self.owner).get(self.name) is self.current:
+                delattr(self.owner, self.name)
+            self.current = None
+            return
+        import wrapt
+
+        value = self.raw
+        for fix_id in catalogue.ids():
+            if fix_id in self.layers:
+                value = wrapt.FunctionWrapper(value, self.layers[fix_id])
+        setattr(self.owner, self.name, value)
+        self.current = value
 
 
 _lock = threading.RLock()
 _enabled: dict[str, bool] = {}  # fix id -> strict
 _records: dict[str, Record] = {}
-_installed: dict[str, list[_Installed]] = {}  # fix id -> wrappers it installed
-_registry: dict[tuple[int, str], _Installed] = {}  # (id(owner), name) -> what zerofix put there
+_installed: dict[str, list[_Slot]] = {}  # fix id -> the attributes it wraps
+_registry: dict[tuple[int, str], _Slot] = {}  # (id(owner), name) -> the raw value and its layers
 
 
 # ----------------------------------------------------------------------------- guards
@@ -181,28 +210,28 @@ def _install(fix: catalogue.Fix, version: str) -> Record:
         except AttributeError as exc:
             return Record(fix.id, TARGET_CHANGED, fix.dist, version, fix.affected,
                           f"{target.module}.{target.attribute} not found ({exc})")
-    drift = impl.structural_check({attr: value for attr, (_, _, value) in resolved.items()})
+    # The check sees what upstream defined, also under another fix's layer.
+    originals = {}
+    for attr, (owner, name, value) in resolved.items():
+        slot = _registry.get((id(owner), name))
+        originals[attr] = value if slot is None else slot.raw
+    drift = impl.structural_check(originals)
     if drift:
         return Record(fix.id, TARGET_CHANGED, fix.dist, version, fix.affected, drift)
 
-    import wrapt
-
-    done: list[_Installed] = []
+    done: list[_Slot] = []
     try:
         for target in fix.targets:
             owner, name, _ = resolved[target.attribute]
-            if (id(owner), name) in _registry:
-                raise RuntimeError(f"{target.module}.{target.attribute} is already wrapped by zerofix")
-            had_own = name in vars(owner)
-            raw = vars(owner)[name] if had_own else getattr(owner, name)
-            wrapper = wrapt.FunctionWrapper(raw, getattr(impl, target.wrapper))
-            setattr(owner, name, wrapper)
-            entry = _Installed(owner, name, raw if had_own else None, had_own, wrapper)
-            _registry[(id(owner), name)] = entry
-            done.append(entry)
+            slot = _registry.get((id(owner), name))
+            if slot is None:
+                slot = _registry[(id(owner), name)] = _Slot(owner, name)
+            slot.layers[fix.id] = getattr(impl, target.wrapper)
+            done.append(slot)
+            slot.rebuild()
     except BaseException:
-        for entry in reversed(done):  # all or nothing
-            _restore(entry)
+        for slot in reversed(done):  # all or nothing
+            _remove_layer(slot, fix.id)
         raise
     _installed[fix.id] = done
     where = ", ".join(f"{t.module}.{t.attribute}" for t in fix.targets)
@@ -210,12 +239,11 @@ def _install(fix: catalogue.Fix, version: str) -> Record:
                   f"{fix.dist} {version} is in {fix.affected}; wrapped {where}")
 
 
-def _restore(entry: _Installed) -> None:
-    if entry.had_own:
-        setattr(entry.owner, entry.name, entry.raw)
-    elif vars(entry.owner).get(entry.name) is entry.wrapper:
-        delattr(entry.owner, entry.name)
-    _registry.pop((id(entry.owner), entry.name), None)
+def _remove_layer(slot: _Slot, fix_id: str) -> None:
+    slot.layers.pop(fix_id, None)
+    slot.rebuild()
+    if not slot.layers:
+        _registry.pop((id(slot.owner), slot.name), None)
 
 
 def unpatch(fixes=None) -> None:
@@ -224,8 +252,8 @@ def unpatch(fixes=None) -> None:
     with _lock:
         for fix_id in selected:
             _enabled.pop(fix_id, None)
-            for entry in reversed(_installed.pop(fix_id, [])):
-                _restore(entry)
+            for slot in reversed(_installed.pop(fix_id, [])):
+                _remove_layer(slot, fix_id)
             _records.pop(fix_id, None)
 
 

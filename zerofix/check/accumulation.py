@@ -13,14 +13,16 @@ Loop styles (2 windows unless noted):
   e  (a) with gradient clipping on
   short  an epoch of 10 micro-batches in windows of 4: the last window has 2 (config GAS=1)
 With config GAS=1 the loop divides each loss by its window's length itself (as open-instruct does);
-with config GAS=K DeepSpeed divides by K (``scale_wrt_gas``), whatever the window's length.
+with config GAS=K DeepSpeed divides by K (``scale_wrt_gas``), whatever the window's length. A cell with
+``scale_wrt_gas=False`` divides by K itself and tells DeepSpeed not to, as the Trainer does.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
 STYLES = ("a", "b", "c", "d", "e", "short")
-CORRECT, LAST, NOOP, DOUBLE = "correct", "last", "noop", "double"
+CORRECT, LAST, NOOP, DOUBLE, TRIPLE, ERROR = "correct", "last", "noop", "double", "triple", "error"
+EXTRA_DIVISIONS = {DOUBLE: 1, TRIPLE: 2}  # how many more times than meant each loss is divided by GAS
 
 
 class Cell(NamedTuple):
@@ -31,13 +33,15 @@ class Cell(NamedTuple):
     overlap_comm: bool = False
     resume: bool = False  # save a checkpoint after the first window, load it into a fresh engine
     logits: bool = False  # the model returns its logits next to the loss (loss only by default)
+    scale_wrt_gas: bool = True  # False: the loop divides by GAS and passes scale_wrt_gas=False
 
     @property
     def name(self) -> str:
         overlap = "-overlap" if self.overlap_comm else ""
         resume = "-resume" if self.resume else ""
         logits = "-logits" if self.logits else ""
-        return f"z{self.stage}{overlap}-gas{self.gas}-{self.style}-{self.optimizer}{resume}{logits}"
+        scaled = "" if self.scale_wrt_gas else "-selfscaled"
+        return f"z{self.stage}{overlap}-gas{self.gas}-{self.style}-{self.optimizer}{resume}{logits}{scaled}"
 
     @property
     def clip(self) -> float:
@@ -58,7 +62,7 @@ def ops(cell: Cell) -> list[tuple]:
     """("backward", micro_step, loss_divisor, explicit_boundary or None) and ("step", window_done)."""
     out, m = [], 0
     for length in window_lengths(cell):
-        divisor = length if cell.gas == 1 and cell.style != "b" else 1
+        divisor = (length if cell.gas == 1 and cell.style != "b" else 1) * (1 if cell.scale_wrt_gas else cell.gas)
         for i in range(length):
             explicit = (i == length - 1) if cell.style == "c" else None
             out.append(("backward", m, divisor, explicit))
@@ -74,7 +78,8 @@ def updates(cell: Cell, semantics: str = CORRECT) -> list[list[list[tuple[int, f
     """Per window, the optimizer updates it makes; per update, ``(micro_step, weight)`` pairs: the
     update's gradient is sum(weight * grad(mean loss of that micro-step)), averaged over ranks.
     ``semantics``: ``correct``, ``last`` (only each window's last micro-batch survives), ``noop``
-    (step() never updates) or ``double`` (every loss divided by the config GAS once more)."""
+    (step() never updates), ``double`` / ``triple`` (every loss divided by the config GAS once / twice
+    more than meant)."""
     result, m = [], 0
     for length in window_lengths(cell):
         steps = list(range(m, m + length))
@@ -84,7 +89,7 @@ def updates(cell: Cell, semantics: str = CORRECT) -> list[list[list[tuple[int, f
         elif cell.style == "b" and cell.gas == 1:
             result.append([[(s, 1.0)] for s in steps])
         else:
-            divisor = (length if cell.gas == 1 else 1) * cell.gas * (cell.gas if semantics == DOUBLE else 1)
+            divisor = (length if cell.gas == 1 else 1) * cell.gas ** (1 + EXTRA_DIVISIONS.get(semantics, 0))
             kept = steps[-1:] if semantics == LAST else steps
             result.append([[(s, 1.0 / divisor) for s in kept]])
     return result
@@ -107,41 +112,70 @@ def matrix(optimizers=("sgd", "adamw")) -> list[Cell]:
             for style in "abcde" for opt in optimizers]
 
 
+def _in(version: str, specifier: str) -> bool:
+    from packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(specifier).contains(version, prereleases=True)
+
+
 def output_hook_divides_twice(cell: Cell, deepspeed_version: str) -> bool:
     """ZeRO-0/1/2 with config GAS > 1 and a model that returns its logits next to the loss: the engine's
     output-tensor backward hook divides the gradient of *every* output by GAS, and the logits lie on the
     loss's path, so each loss is divided by GAS twice. Measured on 0.18.3 and 0.18.9; 0.16.3, 0.18.0
-    and 0.19.8 are exact. A scaling bug of its own: the manual-accumulation fix leaves it as it is."""
-    from packaging.specifiers import SpecifierSet
+    and 0.19.8 are exact. Under ``scale_wrt_gas=False`` the hook divides only on 0.18.3. A scaling bug
+    of its own: no zerofix fix covers it (yet)."""
+    hook_divides = cell.scale_wrt_gas or _in(deepspeed_version, "==0.18.3")
+    return (cell.logits and cell.gas > 1 and cell.stage < 3 and hook_divides
+            and _in(deepspeed_version, ">=0.18.3,<0.19"))
 
-    return (cell.logits and cell.gas > 1 and cell.stage < 3
-            and SpecifierSet(">=0.18.3,<0.19").contains(deepspeed_version, prereleases=True))
+
+def hook_ignores_scale_wrt_gas(cell: Cell, deepspeed_version: str) -> bool:
+    """deepspeed 0.18.3's output hook divides by GAS also under ``scale_wrt_gas=False``
+    (deepspeed-scale-wrt-gas; 0.18.4 honours the flag)."""
+    return not cell.scale_wrt_gas and cell.gas > 1 and _in(deepspeed_version, "==0.18.3")
+
+
+def accumulator_restarts(deepspeed_version: str) -> bool:
+    """ZeRO-1/2's epilogue tests the wrong buffer for an empty accumulator (deepspeed-zero12-accumulator)."""
+    return _in(deepspeed_version, ">=0.17.6,<0.18.3")
 
 
 def known_unpatched(cell: Cell, deepspeed_version: str) -> str:
     """What DeepSpeed itself does with the cell's loop (DESIGN.md §2, measured 0.14.5 to 0.19.8):
     ``noop`` when the config GAS differs from the backwards per step() and no boundary is flagged;
-    ``last`` for ZeRO-1/2 with config GAS=1 and several backwards per step() from 0.17.6 on;
-    ``double`` where ``output_hook_divides_twice``."""
+    on 0.17.6-0.18.2 ``error`` (a TypeError) for ZeRO-1/2 with config GAS=1 and several backwards per
+    step(), and ``last`` for ZeRO-2 wherever a window has non-boundary backwards; ``last`` for ZeRO-1/2
+    with config GAS=1 and several backwards per step() from 0.18.3 on; ``double`` / ``triple`` where
+    the output hook divides once or twice more than meant."""
     from packaging.version import Version
 
     manual = cell.style in ("a", "d", "e", "short")  # several unflagged backwards per step()
     if manual and cell.gas > 1:
         return NOOP
-    if output_hook_divides_twice(cell, deepspeed_version):
-        return DOUBLE
+    if accumulator_restarts(deepspeed_version):
+        if manual and cell.stage in (1, 2):
+            return ERROR
+        if cell.stage == 2 and (cell.style == "c" or cell.gas > 1):
+            return LAST
+    extra = output_hook_divides_twice(cell, deepspeed_version) + hook_ignores_scale_wrt_gas(cell, deepspeed_version)
+    if extra:
+        return DOUBLE if extra == 1 else TRIPLE
     if manual and cell.stage in (1, 2) and Version(deepspeed_version) >= Version("0.17.6"):
         return LAST
     return CORRECT
 
 
 def known_patched(cell: Cell, deepspeed_version: str) -> str:
-    """With deepspeed-manual-accumulation applied: every window applied, scaled as DeepSpeed scales."""
-    return DOUBLE if output_hook_divides_twice(cell, deepspeed_version) else CORRECT
+    """With every DeepSpeed fix applied: every window applied; the output hook's division of a loss-and-
+    logits model under ``scale_wrt_gas=True`` stays as DeepSpeed does it."""
+    return DOUBLE if cell.scale_wrt_gas and output_hook_divides_twice(cell, deepspeed_version) else CORRECT
 
 
 def extra_cells() -> list[Cell]:
-    """Beyond the matrix: a short last window, and a checkpoint resumed at a window boundary."""
+    """Beyond the matrix: a short last window, a checkpoint resumed at a window boundary, models that
+    return their logits, and DeepSpeed's own loop with the loss divided by the loop (scale_wrt_gas=False)."""
     return ([Cell(stage, 1, "short") for stage in (0, 1, 2, 3)]
             + [Cell(stage, 1, "a", "adamw", resume=True) for stage in (0, 1, 2, 3)]
-            + [Cell(stage, 4, style, logits=True) for stage in (0, 1, 2, 3) for style in "ab"])
+            + [Cell(stage, 4, style, logits=True) for stage in (0, 1, 2, 3) for style in "ab"]
+            + [Cell(stage, 4, "b", logits=logits, scale_wrt_gas=False) for stage in (0, 1, 2, 3)
+               for logits in (False, True)])

@@ -12,8 +12,10 @@ LOSS_MODE = {"causal-lm": "token-mean", "custom": "batch-mean"}
 
 def trainer_gas(out_dir, *, model: str = "causal-lm", nproc: int = 1, gas: int = 8, lr: float = 5.0,
                 zerofix: str = "both", extra_args=(), env=None, launcher_prefix=(),
-                python: str = sys.executable, timeout: float = 600) -> dict:
-    """{variant: comparison + ``rank_status`` (per rank, fix id -> state)} for the Trainer GAS scenario."""
+                python: str = sys.executable, timeout: float = 600, also_last: bool = False) -> dict:
+    """{variant: comparison + ``rank_status`` (per rank, fix id -> state)} for the Trainer GAS scenario.
+    ``also_last``: each variant also carries ``vs_last``, its comparison with a run that keeps only
+    each rank's last micro-batch of every window (how a broken accumulator behaves)."""
     import torch
 
     out_dir = Path(out_dir)
@@ -26,10 +28,15 @@ def trainer_gas(out_dir, *, model: str = "causal-lm", nproc: int = 1, gas: int =
         ranks = sorted((r for r in records if r["variant"] == variant), key=lambda r: r["rank"])
         if len(ranks) != nproc:
             raise launch.LaunchError(f"{variant}: {len(ranks)} of {nproc} ranks reported")
-        ref = reference.reference_state(model, init, reference.windows_from_ranks(ranks),
-                                        loss_mode=LOSS_MODE[model], optimizer_factory=reference.sgd(lr))
+        windows = reference.windows_from_ranks(ranks)
+        ref = reference.reference_state(model, init, windows, loss_mode=LOSS_MODE[model],
+                                        optimizer_factory=reference.sgd(lr))
         final = torch.load(out_dir / variant / "final.pt")
-        results[variant] = {**reference.compare(init, final, ref),
+        if also_last:
+            last = reference.reference_state(model, init, windows, loss_mode=LOSS_MODE[model],
+                                             optimizer_factory=reference.sgd(lr), last_of_each=nproc)
+            results.setdefault(variant, {})["vs_last"] = reference.compare(init, final, last)
+        results[variant] = {**results.get(variant, {}), **reference.compare(init, final, ref),
                             "rank_status": [{s["id"]: s["state"] for s in r["status"]} for r in ranks],
                             "rank_runtime": [{s["id"]: s.get("runtime", ()) for s in r["status"]} for r in ranks]}
     return results
@@ -38,7 +45,7 @@ def trainer_gas(out_dir, *, model: str = "causal-lm", nproc: int = 1, gas: int =
 DS_ACCUMULATION = "zerofix.check.scenarios.ds_accumulation"
 
 
-def ds_accumulation(out_dir, cells, *, nproc: int = 2, variants=("unpatched", "patched"), env=None,
+def ds_accumulation(out_dir, cells, *, nproc: int = 2, variants=("unpatched", "patched"), fixes=None, env=None,
                     python: str = sys.executable, timeout: float = 900) -> dict:
     """Run the raw DeepSpeed loops; {variant: {cell name: {"snapshots", "norms" (per rank), "runtime"}}}
     plus "init" (initial weights) and "world"."""
@@ -50,8 +57,11 @@ def ds_accumulation(out_dir, cells, *, nproc: int = 2, variants=("unpatched", "p
     out_dir.mkdir(parents=True, exist_ok=True)
     cells_file = out_dir / "cells.json"
     cells_file.write_text(json.dumps([c._asdict() for c in cells]))
-    records = launch.torchrun(DS_ACCUMULATION, ["--cells", str(cells_file), "--variants", ",".join(variants)],
-                              nproc=nproc, out_dir=out_dir, env=env, python=python, timeout=timeout)
+    args = ["--cells", str(cells_file), "--variants", ",".join(variants)]
+    if fixes is not None:
+        args += ["--fixes", ",".join(fixes)]
+    records = launch.torchrun(DS_ACCUMULATION, args, nproc=nproc, out_dir=out_dir, env=env, python=python,
+                              timeout=timeout)
     if len(records) != nproc:
         raise launch.LaunchError(f"{len(records)} of {nproc} ranks reported")
     results = {"init": torch.load(out_dir / "init.pt"), "world": nproc}

@@ -16,11 +16,13 @@ LOSS_MODES = ("token-mean", "batch-mean")
 
 
 def reference_state(kind: str, init_state: dict, windows, *, loss_mode: str, optimizer_factory,
-                    seed: int = 0) -> dict:
+                    seed: int = 0, last_of_each: int = 0) -> dict:
     """Parameters after one optimizer step per window.
 
     ``windows``: one entry per optimizer step, each a list of micro-batches (lists of sample indices)
     from every rank. ``optimizer_factory(params)`` builds the same optimizer the run used.
+    ``last_of_each=R``: what a run that keeps only each rank's last micro-batch of a window computes
+    (the window split into R equal rank slices; the normalisation still counts the whole window).
     """
     if loss_mode not in LOSS_MODES:
         raise ValueError(f"loss_mode must be one of {LOSS_MODES}")
@@ -31,10 +33,14 @@ def reference_state(kind: str, init_state: dict, windows, *, loss_mode: str, opt
     for window in windows:
         optimizer.zero_grad(set_to_none=True)
         sums, counts = zip(*(models.token_loss_sum(model, models.collate(mb, seed)) for mb in window))
+        kept = range(len(window))
+        if last_of_each:
+            per_rank = len(window) // last_of_each
+            kept = [(r + 1) * per_rank - 1 for r in range(last_of_each)]
         if loss_mode == "token-mean":
-            loss = torch.stack(sums).sum() / sum(counts)
+            loss = torch.stack([sums[i] for i in kept]).sum() / sum(counts)
         else:
-            loss = torch.stack([s / c for s, c in zip(sums, counts)]).mean()
+            loss = torch.stack([sums[i] / counts[i] for i in kept]).sum() / len(window)
         loss.backward()
         optimizer.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

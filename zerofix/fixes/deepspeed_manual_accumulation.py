@@ -22,10 +22,10 @@ was not measured (fp16/bf16 wrappers at stage 0, optimizer offload at stage 1/2,
 """
 from __future__ import annotations
 
-import inspect
 import weakref
 
 from zerofix._log import log
+from zerofix.fixes._inspect import parameter_names
 from zerofix.counter import FLUSH, MicroStepCounter, StepPlan
 
 FIX_ID = "deepspeed-manual-accumulation"
@@ -42,7 +42,7 @@ _scale_wrt_gas_position = 2  # index of scale_wrt_gas in backward's positional a
 
 def structural_check(targets) -> str | None:
     global _scale_wrt_gas_position
-    params = list(inspect.signature(_undecorated(targets["DeepSpeedEngine.backward"])).parameters)
+    params = parameter_names(targets["DeepSpeedEngine.backward"], "DeepSpeedEngine.backward")
     if params[:2] != ["self", "loss"] or "scale_wrt_gas" not in params:
         return f"DeepSpeedEngine.backward{tuple(params)} is not (self, loss, ..., scale_wrt_gas)"
     _scale_wrt_gas_position = params.index("scale_wrt_gas") - 1
@@ -58,27 +58,6 @@ def structural_check(targets) -> str | None:
     if missing:
         return f"DeepSpeedZeroOptimizer.{missing[0]} is gone"
     return None
-
-
-def _undecorated(func):
-    """The function under decorators, including DeepSpeed's ``instrument_w_nvtx``, which does not use
-    functools.wraps (its signature reads ``(*args, **kwargs)``)."""
-    for _ in range(4):
-        inner = getattr(func, "__wrapped__", None)
-        if inner is None:
-            cells = []
-            for cell in getattr(func, "__closure__", None) or ():
-                try:
-                    value = cell.cell_contents
-                except ValueError:  # empty cell
-                    continue
-                if inspect.isfunction(value) and value.__qualname__ == "DeepSpeedEngine.backward":
-                    cells.append(value)
-            inner = cells[0] if len(cells) == 1 else None
-        if inner is None:
-            return func
-        func = inner
-    return func
 
 
 # ----------------------------------------------------------------------------- per-engine state
@@ -116,13 +95,24 @@ def _eligibility(engine, stage: int) -> tuple[bool, str]:
             return False, f"ZeRO-{stage} optimizer {type(opt).__name__}: not measured"
         if getattr(opt, "cpu_offload", False):
             return False, f"ZeRO-{stage} with optimizer offload: not measured"
-        if stage == 2 and hasattr(opt, "ipg_buckets") and not hasattr(opt, "setup_buckets"):
-            # deepspeed 0.17.x - 0.18.2 (0.18.0 measured): each backward's epilogue releases the
-            # partition's accumulated gradients, so a reduction at step() finds nothing (zero update).
-            return False, ("ZeRO-2 on deepspeed 0.17.x-0.18.2: the epilogue releases accumulated "
-                           "gradients, a flush at step() cannot apply them (measured on 0.18.0)")
+        if stage == 2 and _accumulator_broken(opt):
+            # deepspeed 0.17.6 - 0.18.2: each backward's epilogue restarts the partition's accumulator,
+            # so a flush at step() starts it from the flush's own (empty) gradients: a zero update.
+            return False, ("ZeRO-2 on deepspeed 0.17.6-0.18.2 without deepspeed-zero12-accumulator: every "
+                           "backward restarts the accumulator, a flush at step() would apply nothing")
         return True, f"ZeRO-{stage}: bucket reduction at step()"
     return True, "ZeRO-3: boundary flag at step()"
+
+
+def _accumulator_broken(opt) -> bool:
+    """Whether the optimizer's epilogue is the broken one of 0.17.6-0.18.2 and zerofix has not fixed it."""
+    from zerofix import patching
+    from zerofix.fixes import deepspeed_zero12_accumulator as accumulator
+
+    if patching.is_applied(accumulator.FIX_ID):
+        return False
+    method = getattr(type(opt), "independent_gradient_partition_epilogue", None)
+    return method is not None and accumulator.drift_from_broken(method) is None
 
 
 def _state(engine) -> _EngineState:

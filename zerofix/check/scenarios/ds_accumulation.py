@@ -3,8 +3,9 @@
 Run under torchrun (gloo, CPU). Every cell builds a fresh engine from the same initial weights and runs
 exactly ``accumulation.ops(cell)``; after each window rank 0 stores the full parameters (gathered under
 ZeRO-3) and every rank records ``engine.get_global_grad_norm()`` after each update. ``--variants``
-``unpatched,patched`` runs the whole list without zerofix, then calls ``zerofix.patch()`` and runs it again;
-``env`` runs it once and leaves activation to the environment (``ZEROFIX=1``, ``zerofix run``).
+``unpatched,patched`` runs the whole list without zerofix, then patches every DeepSpeed fix of the
+catalogue (or ``--fixes``) and runs it again; ``env`` runs it once and leaves activation to the
+environment (``ZEROFIX=1``, ``zerofix run``).
 
 Writes ``init.pt``, ``<variant>/<cell>.pt`` (snapshots) and ``rank{r}.json``.
 """
@@ -21,7 +22,7 @@ import torch
 
 from zerofix.check import accumulation, models, reference
 
-FIX = "deepspeed-manual-accumulation"
+FIX = "deepspeed-manual-accumulation"  # the fix whose per-engine runtime the results carry
 
 
 def ds_config(cell: accumulation.Cell) -> dict:
@@ -79,7 +80,10 @@ def run_cell(cell, init_state, rank, world, checkpoint_dir: Path) -> dict:
                 engine.set_gradient_accumulation_boundary(explicit)
             batch = models.collate(accumulation.sample_indices(micro_step, rank, world))
             loss = engine(**batch)["loss"] / divisor
-            engine.backward(loss)
+            if cell.scale_wrt_gas:
+                engine.backward(loss)
+            else:
+                engine.backward(loss, scale_wrt_gas=False)
             continue
         applied_before = engine.global_steps
         with torch.no_grad():  # ZeRO-1/2 step() of deepspeed 0.18.x on torch 2.13 CPU needs it
@@ -105,15 +109,19 @@ def _runtime(engine) -> dict:
     """This fix's status, and what it saw on this engine."""
     import zerofix
 
-    record = next(r for r in zerofix.status() if r.id == FIX)
+    records = zerofix.status()
+    record = next(r for r in records if r.id == FIX)
     seen = [e for e in record.runtime if e["engine"] == f"0x{id(engine):x}"]
-    return {"state": record.state, "engine": seen[0] if seen else None}
+    return {"state": record.state, "engine": seen[0] if seen else None,
+            "states": {r.id: r.state for r in records}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cells", required=True, help="JSON file: a list of Cell field dicts")
     parser.add_argument("--variants", default="unpatched,patched", help="unpatched, patched and/or env")
+    parser.add_argument("--fixes", default=None, help="comma-separated fix ids the patched variant enables "
+                        "(default: every DeepSpeed fix of the catalogue)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     import deepspeed
@@ -132,7 +140,10 @@ def main() -> None:
         if variant == "patched":
             import zerofix
 
-            zerofix.patch(fixes=[FIX])
+            from zerofix import catalogue
+
+            zerofix.patch(fixes=args.fixes.split(",") if args.fixes else
+                          [f.id for f in catalogue.FIXES if f.dist == "deepspeed"])
         results = record["cells"][variant] = {}
         for cell in cells:
             checkpoint_dir = out / "checkpoints" / variant / cell.name

@@ -1,0 +1,61 @@
+"""deepspeed-scale-wrt-gas: ``engine.backward(loss, scale_wrt_gas=False)`` is not divided by GAS.
+
+DeepSpeed 0.18.3 moved the division by gradient_accumulation_steps from ``backward()`` into a backward
+hook that ``engine.forward`` registers on every output tensor (``_backward_prologue_per_tensor``). The
+hook divides unconditionally, so ``scale_wrt_gas=False`` only changes backward's return value: the
+Trainer, which divides the loss itself and passes False (transformers >= 4.49), gets updates of 1/GAS,
+and under ZeRO-0/1/2 1/GAS**2 for a model that returns its logits next to the loss (both outputs'
+hooks divide; measured 1/64 at GAS=8 for a causal LM and a custom module under ZeRO-2, 1/8 under ZeRO-3).
+DeepSpeed 0.18.4 (#7724) makes the hook honour the flag of the running ``backward()``.
+
+zerofix does the same from outside: its ``backward`` wrapper records the caller's ``scale_wrt_gas`` on
+the engine for the duration of the call, and its wrapper of the hook passes the gradient through
+unscaled while that flag is False. A backward that does not go through ``engine.backward`` (a plain
+``loss.backward()``) keeps DeepSpeed's default, dividing. The division of both outputs with
+``scale_wrt_gas=True`` is 0.18.4 - 0.18.9's behaviour too and is left alone here.
+"""
+from __future__ import annotations
+
+import inspect
+
+from zerofix.fixes._inspect import parameter_names
+
+FIX_ID = "deepspeed-scale-wrt-gas"
+HOOK = "DeepSpeedEngine._backward_prologue_per_tensor"
+BACKWARD = "DeepSpeedEngine.backward"
+_KEY = "_zerofix_scale_wrt_gas"  # in engine.__dict__ while engine.backward runs
+_position = 2  # index of scale_wrt_gas in backward's positional args (after self)
+
+
+def structural_check(targets) -> str | None:
+    """None when the hook is the one measured broken: ``(self, grad)``, dividing by
+    gradient_accumulation_steps unconditionally (it reads nothing else; 0.18.4 reads the flag of the
+    running backward, 0.19 whether backward() scaled the graph already)."""
+    global _position
+    hook = inspect.unwrap(targets[HOOK])
+    params = list(inspect.signature(hook).parameters)
+    if params != ["self", "grad"]:
+        return f"{HOOK}{tuple(params)} is not (self, grad)"
+    names = set(hook.__code__.co_names)
+    if names != {"gradient_accumulation_steps"}:  # 0.18.3: ``return grad / self.gradient_accumulation_steps()``
+        return f"{HOOK} consults {sorted(names - {'gradient_accumulation_steps'})}: not the unconditional division"
+    params = parameter_names(targets[BACKWARD], BACKWARD)
+    if params[:2] != ["self", "loss"] or "scale_wrt_gas" not in params:
+        return f"{BACKWARD}{tuple(params)} is not (self, loss, ..., scale_wrt_gas)"
+    _position = params.index("scale_wrt_gas") - 1
+    return None
+
+
+def backward(wrapped, engine, args, kwargs):
+    flags = engine.__dict__  # not nn.Module.__setattr__: ~1 us per call
+    flags[_KEY] = bool(kwargs.get("scale_wrt_gas", args[_position] if len(args) > _position else True))
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        flags.pop(_KEY, None)
+
+
+def per_tensor(wrapped, engine, args, kwargs):
+    if engine.__dict__.get(_KEY, True):
+        return wrapped(*args, **kwargs)
+    return args[0] if args else kwargs["grad"]  # scale_wrt_gas=False: the caller already scaled
