@@ -1,11 +1,12 @@
-"""What deepspeed-manual-accumulation costs, measured side by side in one run (2 gloo ranks, CPU).
+"""What the DeepSpeed fixes cost, measured side by side in one run (2 gloo ranks, CPU).
 
 Launch: ``python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_deepspeed_accumulation.py``
 (``make bench-ds``).
 
 1. Per call: the real ``backward`` / ``step`` wrappers, bound through wrapt exactly as ``patch()`` installs
    them, around a no-op method on a real ZeRO-2 engine, against the bare no-op (the reduction a flush runs
-   is the work a boundary backward would have done, so it is stubbed out here and counted in 3).
+   is the work a boundary backward would have done, so it is stubbed out here and counted in 3). The same
+   for the backports' wrappers (deepspeed-zero12-accumulator, deepspeed-scale-wrt-gas).
 2. End to end, DeepSpeed's own style (backward + step per micro-batch, config GAS=4: zerofix only
    observes it) unpatched vs patched, windows interleaved, median.
 3. Communication: every torch.distributed collective counted (calls and elements) over one window, for
@@ -51,10 +52,13 @@ for _name in COLLECTIVES:
 import deepspeed  # noqa: E402
 
 import zerofix  # noqa: E402
+from zerofix import catalogue  # noqa: E402
 from zerofix.check import accumulation, models  # noqa: E402
 from zerofix.check.scenarios.ds_accumulation import ds_config  # noqa: E402
 
 FIX = "deepspeed-manual-accumulation"
+# Patched runs enable every DeepSpeed fix: on 0.17.6-0.18.2 the lazy boundary needs the accumulator fix.
+DS_FIXES = [f.id for f in catalogue.FIXES if f.dist == "deepspeed"]
 N_CALLS = int(os.environ.get("BENCH_CALLS", "20000"))
 N_WINDOWS = int(os.environ.get("BENCH_WINDOWS", "15"))
 
@@ -125,6 +129,57 @@ def per_call_us() -> dict:
         fix._reduce_as_boundary = real_reduce
 
 
+def backport_per_call_us() -> dict:
+    """The two backports' wrappers, per call, on the same kind of engine (their cost does not depend on
+    the release: they read and write a few dict entries). The epilogue is timed in its costliest state:
+    every parameter group's accumulator holds gradients, so each call substitutes and restores."""
+    import wrapt
+
+    from zerofix.fixes import deepspeed_scale_wrt_gas as scale
+    from zerofix.fixes import deepspeed_zero12_accumulator as accumulator
+
+    engine = engine_for(2, 4)
+    opt = engine.optimizer
+    groups = range(len(opt.bit16_groups))
+    loss, grad = torch.zeros(()), torch.zeros(4)
+
+    def noop_epilogue(self):
+        return None
+
+    def noop_backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        return loss
+
+    def noop_hook(self, grad):
+        return grad
+
+    saved = ({i: opt.all_grad_tensors.get(i) for i in groups}, {i: opt.averaged_gradients.get(i) for i in groups})
+    for i in groups:
+        opt.all_grad_tensors[i], opt.averaged_gradients[i] = [], None
+    pairs = {
+        "epilogue (deepspeed-zero12-accumulator)":
+            (noop_epilogue, wrapt.FunctionWrapper(noop_epilogue, accumulator.epilogue), opt, (), {}),
+        "backward (deepspeed-scale-wrt-gas)":
+            (noop_backward, wrapt.FunctionWrapper(noop_backward, scale.backward), engine, (loss,),
+             {"scale_wrt_gas": False}),
+        "output hook, scale_wrt_gas=False (deepspeed-scale-wrt-gas)":
+            (noop_hook, wrapt.FunctionWrapper(noop_hook, scale.per_tensor), engine, (grad,), {}),
+    }
+    out = {}
+    try:
+        engine.__dict__[scale._KEY] = False  # as inside engine.backward(loss, scale_wrt_gas=False)
+        for label, (bare, wrapped, owner, args, kwargs) in pairs.items():
+            bare_bound, wrapped_bound = bare.__get__(owner, type(owner)), wrapped.__get__(owner, type(owner))
+            added = [timeit.timeit(lambda f=wrapped_bound, a=args, k=kwargs: f(*a, **k), number=N_CALLS)
+                     - timeit.timeit(lambda f=bare_bound, a=args, k=kwargs: f(*a, **k), number=N_CALLS)
+                     for _ in range(5)]
+            out[label] = statistics.median(added) / N_CALLS * 1e6
+    finally:
+        engine.__dict__.pop(scale._KEY, None)
+        for i in groups:
+            opt.all_grad_tensors[i], opt.averaged_gradients[i] = saved[0][i], saved[1][i]
+    return out
+
+
 # ----------------------------------------------------------------------------- 2. end to end
 def own_style_window_ms() -> dict:
     engines = {"unpatched": engine_for(2, 4), "patched": engine_for(2, 4)}
@@ -132,7 +187,7 @@ def own_style_window_ms() -> dict:
     for w in range(N_WINDOWS + 1):
         for label in ("unpatched", "patched"):
             if label == "patched":
-                zerofix.patch(fixes=[FIX])
+                zerofix.patch(fixes=DS_FIXES)
             dist.barrier()
             t0 = timeit.default_timer()
             for i in range(4):
@@ -148,7 +203,7 @@ def own_style_window_ms() -> dict:
 # ----------------------------------------------------------------------------- 3. communication
 def window_collectives(stage: int, gas: int, style: str, patched: bool) -> dict:
     if patched:
-        zerofix.patch(fixes=[FIX])
+        zerofix.patch(fixes=DS_FIXES)
     try:
         engine = engine_for(stage, gas)
         result = {}
@@ -163,6 +218,8 @@ def window_collectives(stage: int, gas: int, style: str, patched: bool) -> dict:
                 step(engine)
             result = {"calls": dict(calls), "elements": dict(elements)}
         return result
+    except TypeError as exc:  # unpatched manual accumulation on 0.17.6-0.18.2 (on every rank alike)
+        return {"calls": {}, "elements": {}, "error": f"{type(exc).__name__}: {exc}"}
     finally:
         zerofix.unpatch()
 
@@ -172,6 +229,7 @@ def main() -> None:
     rank = dist.get_rank()
     report = {"deepspeed": deepspeed.__version__, "world": dist.get_world_size()}
     report["per_call_us"] = per_call_us()
+    report["backport_per_call_us"] = backport_per_call_us()
     report["own_style_window_ms"] = own_style_window_ms()
     report["collectives"] = {}
     for stage in (0, 1, 2, 3):
@@ -186,11 +244,16 @@ def main() -> None:
         pc, e2e = report["per_call_us"], report["own_style_window_ms"]
         print(f"\nper backward call: +{pc['added_per_backward_us']:.2f} us; per flushing step(): "
               f"+{pc['added_per_flushing_step_us']:.2f} us (target < 10 us)")
+        for label, us in report["backport_per_call_us"].items():
+            print(f"per {label} call: +{us:.2f} us")
         print(f"DeepSpeed's own style, ZeRO-2, one 4-micro-batch window: unpatched {e2e['unpatched']:.2f} ms, "
               f"patched {e2e['patched']:.2f} ms (x{e2e['patched'] / e2e['unpatched']:.3f})")
         print("\ncollective calls per window (elements):")
         for stage, rows in report["collectives"].items():
             for label, counts in rows.items():
+                if "error" in counts:
+                    print(f"  {stage:7s} {label:52s} raises {counts['error']}")
+                    continue
                 total = sum(counts["calls"].values())
                 detail = ", ".join(f"{k} {v} ({counts['elements'][k]})" for k, v in sorted(counts["calls"].items()))
                 print(f"  {stage:7s} {label:52s} {total:3d}: {detail}")

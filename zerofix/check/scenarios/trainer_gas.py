@@ -9,6 +9,7 @@ Trainer, which also exercises patching after transformers was imported.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import tempfile
@@ -82,6 +83,7 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
     from zerofix.check import models
 
     model = models.build_model(args.model, args.seed)
+    gc.freeze()  # see ds_accumulation: DeepSpeed 0.18.x's gc.collect() calls would scan every library object
     if rank == 0 and not (out / "init.pt").exists():
         torch.save(model.state_dict(), out / "init.pt")
     size = args.samples or args.steps * args.gas * args.bs * world
