@@ -9,6 +9,7 @@ test_deepspeed_accumulation.py, where both fixes are applied together with deeps
 """
 from __future__ import annotations
 
+import json
 from importlib import metadata
 
 import pytest
@@ -83,8 +84,8 @@ def test_structural_checks_recognise_the_broken_originals_exactly_on_their_relea
     from zerofix.fixes import deepspeed_scale_wrt_gas, deepspeed_zero12_accumulator
 
     epilogue = DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue
-    assert (deepspeed_zero12_accumulator.structural_check({ACCUMULATOR_TARGET: epilogue}) is None) \
-        == in_range(ACCUMULATOR)
+    drift = deepspeed_zero12_accumulator.structural_check({deepspeed_zero12_accumulator.TARGET: epilogue})
+    assert (drift is None) == in_range(ACCUMULATOR), drift
     hook = getattr(DeepSpeedEngine, "_backward_prologue_per_tensor", None)
     if hook is None:  # before 0.18.3 the division happens inside backward()
         assert not in_range(SCALE)
@@ -93,8 +94,6 @@ def test_structural_checks_recognise_the_broken_originals_exactly_on_their_relea
                                                           deepspeed_scale_wrt_gas.BACKWARD: DeepSpeedEngine.backward})
         assert (drift is None) == in_range(SCALE), drift
 
-
-ACCUMULATOR_TARGET = "DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue"
 
 
 def test_patch_installs_exactly_the_fixes_in_range():
@@ -117,7 +116,7 @@ def test_patch_installs_exactly_the_fixes_in_range():
             "backward": layers(DeepSpeedEngine, "backward"),
         }))
     """)
-    seen = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
     for fix_id in (ACCUMULATOR, SCALE):
         assert seen["states"][fix_id] == ("applied" if in_range(fix_id) else "not-affected"), seen
     assert seen["epilogue"] == int(in_range(ACCUMULATOR))

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from zerofix.patching import version_in_range
+
 STYLES = ("a", "b", "c", "d", "e", "short")
 CORRECT, LAST, NOOP, DOUBLE, TRIPLE, ERROR = "correct", "last", "noop", "double", "triple", "error"
 EXTRA_DIVISIONS = {DOUBLE: 1, TRIPLE: 2}  # how many more times than meant each loss is divided by GAS
@@ -112,32 +114,26 @@ def matrix(optimizers=("sgd", "adamw")) -> list[Cell]:
             for style in "abcde" for opt in optimizers]
 
 
-def _in(version: str, specifier: str) -> bool:
-    from packaging.specifiers import SpecifierSet
-
-    return SpecifierSet(specifier).contains(version, prereleases=True)
-
-
 def output_hook_divides_twice(cell: Cell, deepspeed_version: str) -> bool:
     """ZeRO-0/1/2 with config GAS > 1 and a model that returns its logits next to the loss: the engine's
     output-tensor backward hook divides the gradient of *every* output by GAS, and the logits lie on the
     loss's path, so each loss is divided by GAS twice. Measured on 0.18.3 and 0.18.9; 0.16.3, 0.18.0
     and 0.19.8 are exact. Under ``scale_wrt_gas=False`` the hook divides only on 0.18.3. A scaling bug
     of its own: no zerofix fix covers it (yet)."""
-    hook_divides = cell.scale_wrt_gas or _in(deepspeed_version, "==0.18.3")
+    hook_divides = cell.scale_wrt_gas or version_in_range(deepspeed_version, "==0.18.3")
     return (cell.logits and cell.gas > 1 and cell.stage < 3 and hook_divides
-            and _in(deepspeed_version, ">=0.18.3,<0.19"))
+            and version_in_range(deepspeed_version, ">=0.18.3,<0.19"))
 
 
 def hook_ignores_scale_wrt_gas(cell: Cell, deepspeed_version: str) -> bool:
     """deepspeed 0.18.3's output hook divides by GAS also under ``scale_wrt_gas=False``
     (deepspeed-scale-wrt-gas; 0.18.4 honours the flag)."""
-    return not cell.scale_wrt_gas and cell.gas > 1 and _in(deepspeed_version, "==0.18.3")
+    return not cell.scale_wrt_gas and cell.gas > 1 and version_in_range(deepspeed_version, "==0.18.3")
 
 
 def accumulator_restarts(deepspeed_version: str) -> bool:
     """ZeRO-1/2's epilogue tests the wrong buffer for an empty accumulator (deepspeed-zero12-accumulator)."""
-    return _in(deepspeed_version, ">=0.17.6,<0.18.3")
+    return version_in_range(deepspeed_version, ">=0.17.6,<0.18.3")
 
 
 def known_unpatched(cell: Cell, deepspeed_version: str) -> str:

@@ -32,11 +32,12 @@ def trainer_gas(out_dir, *, model: str = "causal-lm", nproc: int = 1, gas: int =
         ref = reference.reference_state(model, init, windows, loss_mode=LOSS_MODE[model],
                                         optimizer_factory=reference.sgd(lr))
         final = torch.load(out_dir / variant / "final.pt")
+        comparison = reference.compare(init, final, ref)
         if also_last:
             last = reference.reference_state(model, init, windows, loss_mode=LOSS_MODE[model],
                                              optimizer_factory=reference.sgd(lr), last_of_each=nproc)
-            results.setdefault(variant, {})["vs_last"] = reference.compare(init, final, last)
-        results[variant] = {**results.get(variant, {}), **reference.compare(init, final, ref),
+            comparison["vs_last"] = reference.compare(init, final, last)
+        results[variant] = {**comparison,
                             "rank_status": [{s["id"]: s["state"] for s in r["status"]} for r in ranks],
                             "rank_runtime": [{s["id"]: s.get("runtime", ()) for s in r["status"]} for r in ranks]}
     return results

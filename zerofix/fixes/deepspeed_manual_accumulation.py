@@ -25,8 +25,8 @@ from __future__ import annotations
 import weakref
 
 from zerofix._log import log
-from zerofix.fixes._inspect import parameter_names
 from zerofix.counter import FLUSH, MicroStepCounter, StepPlan
+from zerofix.fixes._inspect import parameter_names
 
 FIX_ID = "deepspeed-manual-accumulation"
 _ZERO12_API = ("reduce_ready_partitions_and_remove_grads", "overlapping_partition_gradients_reduce_epilogue",
