@@ -152,18 +152,20 @@ def backport_per_call_us() -> dict:
     def noop_hook(self, grad):
         return grad
 
-    saved = ({i: opt.all_grad_tensors.get(i) for i in groups}, {i: opt.averaged_gradients.get(i) for i in groups})
-    for i in groups:
-        opt.all_grad_tensors[i], opt.averaged_gradients[i] = [], None
-    pairs = {
-        "epilogue (deepspeed-zero12-accumulator)":
-            (noop_epilogue, wrapt.FunctionWrapper(noop_epilogue, accumulator.epilogue), opt, (), {}),
+    pairs, saved = {}, {}
+    if hasattr(opt, "all_grad_tensors"):  # the accumulator the fix guards (0.16.3 has none)
+        saved = {i: (opt.all_grad_tensors.get(i), opt.averaged_gradients.get(i)) for i in groups}
+        for i in groups:
+            opt.all_grad_tensors[i], opt.averaged_gradients[i] = [], None
+        pairs["epilogue (deepspeed-zero12-accumulator)"] = (
+            noop_epilogue, wrapt.FunctionWrapper(noop_epilogue, accumulator.epilogue), opt, (), {})
+    pairs.update({
         "backward (deepspeed-scale-wrt-gas)":
             (noop_backward, wrapt.FunctionWrapper(noop_backward, scale.backward), engine, (loss,),
              {"scale_wrt_gas": False}),
         "output hook, scale_wrt_gas=False (deepspeed-scale-wrt-gas)":
             (noop_hook, wrapt.FunctionWrapper(noop_hook, scale.per_tensor), engine, (grad,), {}),
-    }
+    })
     out = {}
     try:
         engine.__dict__[scale._KEY] = False  # as inside engine.backward(loss, scale_wrt_gas=False)
@@ -175,8 +177,8 @@ def backport_per_call_us() -> dict:
             out[label] = statistics.median(added) / N_CALLS * 1e6
     finally:
         engine.__dict__.pop(scale._KEY, None)
-        for i in groups:
-            opt.all_grad_tensors[i], opt.averaged_gradients[i] = saved[0][i], saved[1][i]
+        for i, (accumulated, averaged) in saved.items():
+            opt.all_grad_tensors[i], opt.averaged_gradients[i] = accumulated, averaged
     return out
 
 
