@@ -58,7 +58,7 @@ def drift_from_broken(func) -> str | None:
     (assigns ``self.all_grad_tensors[i]``) is guarded by a test on ``averaged_gradients`` alone. Else
     what differs. The source is parsed, never executed."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+        tree = _parse(func)
     except (OSError, TypeError, SyntaxError) as exc:
         return f"{TARGET}: source unavailable, cannot verify it is the broken one ({exc})"
     guards = [_attributes(node.test) for node in ast.walk(tree)
@@ -86,9 +86,13 @@ def _assigned(body) -> set[str]:
     return out
 
 
+def _parse(func) -> ast.AST:
+    return ast.parse(textwrap.dedent(inspect.getsource(func)))
+
+
 def _self_attributes(func) -> set[str]:
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+        tree = _parse(func)
     except (OSError, TypeError, SyntaxError):
         return set()
     return {n.attr for n in ast.walk(tree)
@@ -100,20 +104,19 @@ def epilogue(wrapped, optimizer, args, kwargs):
         return wrapped(*args, **kwargs)
     accumulated = optimizer.all_grad_tensors
     averaged = optimizer.averaged_gradients
-    standing_in = {}  # group -> what averaged_gradients held before the call (or _MISSING)
+    swapped = {}  # group -> (what averaged_gradients held, or _MISSING; what stands in for it)
     for i in range(len(optimizer.bit16_groups)):
         holds = accumulated.get(i) is not None
         if holds != (averaged.get(i) is not None):
-            standing_in[i] = averaged.get(i, _MISSING)
-            averaged[i] = _ACCUMULATING if holds else None
-    if not standing_in:
+            swapped[i] = (averaged.get(i, _MISSING), _ACCUMULATING if holds else None)
+            averaged[i] = swapped[i][1]
+    if not swapped:
         return wrapped(*args, **kwargs)
-    substitutes = {i: averaged[i] for i in standing_in}
     try:
         return wrapped(*args, **kwargs)
     finally:
-        for i, before in standing_in.items():
-            if averaged.get(i, _MISSING) is substitutes[i]:  # not replaced by a boundary copy
+        for i, (before, stand_in) in swapped.items():
+            if averaged.get(i, _MISSING) is stand_in:  # not replaced by a boundary copy
                 if before is _MISSING:
                     del averaged[i]
                 else:
