@@ -26,7 +26,7 @@ import weakref
 
 from zerofix._log import log
 from zerofix.counter import FLUSH, MicroStepCounter, StepPlan
-from zerofix.fixes._inspect import parameter_names
+from zerofix.fixes import _deepspeed_backward
 
 FIX_ID = "deepspeed-manual-accumulation"
 _ZERO12_API = ("reduce_ready_partitions_and_remove_grads", "overlapping_partition_gradients_reduce_epilogue",
@@ -37,15 +37,12 @@ _STATE_KEY = "_zerofix_accumulation"  # lives in engine.__dict__: no nn.Module._
 # to the optimizer when a backward starts, so the engine's copy is the one to set for a backward.
 _FLAG = "_is_gradient_accumulation_boundary"
 _engines: weakref.WeakSet = weakref.WeakSet()
-_scale_wrt_gas_position = 2  # index of scale_wrt_gas in backward's positional args (after self)
 
 
 def structural_check(targets) -> str | None:
-    global _scale_wrt_gas_position
-    params = parameter_names(targets["DeepSpeedEngine.backward"], "DeepSpeedEngine.backward")
-    if params[:2] != ["self", "loss"] or "scale_wrt_gas" not in params:
-        return f"DeepSpeedEngine.backward{tuple(params)} is not (self, loss, ..., scale_wrt_gas)"
-    _scale_wrt_gas_position = params.index("scale_wrt_gas") - 1
+    drift = _deepspeed_backward.check(targets[_deepspeed_backward.QUALNAME])
+    if drift:
+        return drift
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     for name in ("set_gradient_accumulation_boundary", "is_gradient_accumulation_boundary",
@@ -141,8 +138,7 @@ def backward(wrapped, engine, args, kwargs):
             flags[_FLAG] = None  # back to DeepSpeed's schedule
     else:
         result = wrapped(*args, **kwargs)
-    pos = _scale_wrt_gas_position
-    scaled = kwargs.get("scale_wrt_gas", args[pos] if len(args) > pos else True)
+    scaled = _deepspeed_backward.scale_wrt_gas(args, kwargs)
     discarding = state.counter.backward(explicit_boundary=explicit,
                                         divisor=engine.gradient_accumulation_steps() if scaled else 1)
     if discarding and state.stage in (1, 2):

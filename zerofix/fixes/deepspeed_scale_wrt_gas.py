@@ -18,20 +18,18 @@ from __future__ import annotations
 
 import inspect
 
-from zerofix.fixes._inspect import parameter_names
+from zerofix.fixes import _deepspeed_backward
 
 FIX_ID = "deepspeed-scale-wrt-gas"
 HOOK = "DeepSpeedEngine._backward_prologue_per_tensor"
-BACKWARD = "DeepSpeedEngine.backward"
+BACKWARD = _deepspeed_backward.QUALNAME
 _KEY = "_zerofix_scale_wrt_gas"  # in engine.__dict__ while engine.backward runs
-_position = 2  # index of scale_wrt_gas in backward's positional args (after self)
 
 
 def structural_check(targets) -> str | None:
     """None when the hook is the one measured broken: ``(self, grad)``, dividing by
     gradient_accumulation_steps unconditionally (it reads nothing else; 0.18.4 reads the flag of the
     running backward, 0.19 whether backward() scaled the graph already)."""
-    global _position
     hook = inspect.unwrap(targets[HOOK])
     params = list(inspect.signature(hook).parameters)
     if params != ["self", "grad"]:
@@ -39,16 +37,12 @@ def structural_check(targets) -> str | None:
     names = set(hook.__code__.co_names)
     if names != {"gradient_accumulation_steps"}:  # 0.18.3: ``return grad / self.gradient_accumulation_steps()``
         return f"{HOOK} consults {sorted(names - {'gradient_accumulation_steps'})}: not the unconditional division"
-    params = parameter_names(targets[BACKWARD], BACKWARD)
-    if params[:2] != ["self", "loss"] or "scale_wrt_gas" not in params:
-        return f"{BACKWARD}{tuple(params)} is not (self, loss, ..., scale_wrt_gas)"
-    _position = params.index("scale_wrt_gas") - 1
-    return None
+    return _deepspeed_backward.check(targets[BACKWARD])
 
 
 def backward(wrapped, engine, args, kwargs):
     flags = engine.__dict__  # not nn.Module.__setattr__: ~1 us per call
-    flags[_KEY] = bool(kwargs.get("scale_wrt_gas", args[_position] if len(args) > _position else True))
+    flags[_KEY] = bool(_deepspeed_backward.scale_wrt_gas(args, kwargs))
     try:
         return wrapped(*args, **kwargs)
     finally:
