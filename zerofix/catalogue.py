@@ -38,6 +38,41 @@ class Fix(NamedTuple):
 
 
 FIXES: tuple[Fix, ...] = (
+    # The Trainer's gradient-accumulation scaling, one mechanism (zerofix.fixes._trainer_step, rule in
+    # zerofix.scaling): each entry wraps Trainer.training_step (marks the Trainer's backward) and
+    # Accelerator.backward (divides exactly once); a plain accelerate loop is never touched.
+    Fix(
+        id="transformers-nokw-undivided",
+        title="Trainer never divides the loss of a model without loss kwargs by the accumulation window",
+        dist="transformers",
+        affected=">=4.46,<4.48",
+        targets=(
+            Target("transformers.trainer", "Trainer.training_step", "training_step"),
+            Target("transformers.trainer", "Trainer.get_batch_samples", "get_batch_samples"),
+            Target("accelerate.accelerator", "Accelerator.backward", "backward"),
+        ),
+        implementation="zerofix.fixes.transformers_nokw_undivided",
+        upstream=("https://github.com/huggingface/transformers/pull/35207",),
+        fixed_in="4.48.0",
+        where="Trainer without DeepSpeed (1 process or DDP), a model whose forward takes no **kwargs, "
+        "gradient_accumulation_steps > 1: updates are GAS times the correct ones",
+    ),
+    Fix(
+        id="transformers-deepspeed-double-division",
+        title="Trainer with DeepSpeed divides a loss that is already per window by "
+        "gradient_accumulation_steps again",
+        dist="transformers",
+        affected=">=4.46,<4.49",
+        targets=(
+            Target("transformers.trainer", "Trainer.training_step", "training_step"),
+            Target("accelerate.accelerator", "Accelerator.backward", "backward"),
+        ),
+        implementation="zerofix.fixes.transformers_deepspeed_double_division",
+        upstream=("https://github.com/huggingface/transformers/pull/35808",),
+        fixed_in="4.49.0",
+        where="Trainer with DeepSpeed, gradient_accumulation_steps > 1: updates are 1/GAS of the correct "
+        "ones (4.46-4.47: models taking loss kwargs; 4.48: every model)",
+    ),
     Fix(
         id="transformers-accelerate-double-division",
         title="Trainer without DeepSpeed divides the loss by gradient_accumulation_steps twice",
@@ -45,6 +80,7 @@ FIXES: tuple[Fix, ...] = (
         affected=">=5.2.0,<5.5.4",
         targets=(
             Target("transformers.trainer", "Trainer.training_step", "training_step"),
+            Target("accelerate.accelerator", "Accelerator.backward", "backward"),
         ),
         implementation="zerofix.fixes.transformers_accelerate_double_division",
         upstream=(

@@ -38,6 +38,9 @@ def torchrun(module: str, args: list[str], *, nproc: int, out_dir: Path, timeout
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [*launcher_prefix, python, "-m", "torch.distributed.run", "--standalone",
            "--nproc_per_node", str(nproc), "-m", module, *args, "--out", str(out_dir)]
+    # DeepSpeed < 0.16 on CPU counts "devices" with `numactl --hardware` unless LOCAL_SIZE says how many
+    # local ranks there are (its own launcher sets it); numactl is not installed everywhere.
+    env = {"LOCAL_SIZE": str(nproc), **(env or {})}
     try:
         proc = subprocess.run(cmd, env=scenario_env(env), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, timeout=timeout)

@@ -16,28 +16,72 @@ def trainer_gas(out_dir, *, model: str = "causal-lm", nproc: int = 1, gas: int =
     """{variant: comparison + ``rank_status`` (per rank, fix id -> state)} for the Trainer GAS scenario.
     ``also_last``: each variant also carries ``vs_last``, its comparison with a run that keeps only
     each rank's last micro-batch of every window (how a broken accumulator behaves)."""
-    import torch
-
     out_dir = Path(out_dir)
     args = ["--model", model, "--gas", str(gas), "--lr", str(lr), "--zerofix", zerofix, *extra_args]
     records = launch.torchrun(TRAINER_GAS, args, nproc=nproc, out_dir=out_dir, env=env,
                               launcher_prefix=launcher_prefix, python=python, timeout=timeout)
+    return compare_variants(out_dir, records, model=model, nproc=nproc, lr=lr, also_last=also_last)
+
+
+def trainer_cells(out_dir, cells, *, nproc: int = 1, zero_stage: int | None = None, lr: float = 5.0,
+                  zerofix: str = "both", env=None, python: str = sys.executable, timeout: float = 900) -> dict:
+    """Several Trainer cells (dicts: name, model, gas, samples, average_tokens) in one torchrun job, with
+    or without DeepSpeed: {cell name: {variant: comparison + rank_status}}."""
+    import json
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cells_file = out_dir / "cells.json"
+    cells_file.write_text(json.dumps(list(cells)))
+    args = ["--cells", str(cells_file), "--lr", str(lr), "--zerofix", zerofix]
+    if zero_stage is not None:
+        args += ["--zero-stage", str(zero_stage)]
+    records = launch.torchrun(TRAINER_GAS, args, nproc=nproc, out_dir=out_dir, env=env, python=python,
+                              timeout=timeout)
+    results = {}
+    for cell in cells:
+        cell_records = [r for r in records if r["cell_dir"] == cell["name"]]
+        loss_mode = LOSS_MODE[cell["model"]]
+        if loss_mode == "token-mean" and not cell.get("average_tokens", True):
+            loss_mode = "rank-token-mean"  # each rank normalises by its own tokens, then ranks are averaged
+        results[cell["name"]] = compare_variants(out_dir / cell["name"], cell_records, model=cell["model"],
+                                                 nproc=nproc, lr=lr, loss_mode=loss_mode)
+    return results
+
+
+def compare_variants(out_dir: Path, records: list[dict], *, model: str, nproc: int, lr: float,
+                     loss_mode: str | None = None, also_last: bool = False) -> dict:
+    import torch
+
     init = torch.load(out_dir / "init.pt")
+    loss_mode = loss_mode or LOSS_MODE[model]
     results = {}
     for variant in sorted({r["variant"] for r in records}):
         ranks = sorted((r for r in records if r["variant"] == variant), key=lambda r: r["rank"])
         if len(ranks) != nproc:
             raise launch.LaunchError(f"{variant}: {len(ranks)} of {nproc} ranks reported")
         windows = reference.windows_from_ranks(ranks)
-        ref = reference.reference_state(model, init, windows, loss_mode=LOSS_MODE[model],
-                                        optimizer_factory=reference.sgd(lr))
         final = torch.load(out_dir / variant / "final.pt")
-        comparison = reference.compare(init, final, ref)
+        snapshots = [out_dir / variant / f"step{k}.pt" for k in range(1, len(windows) + 1)]
+        if len(windows) > 1 and all(p.exists() for p in snapshots):
+            # Window by window, each from the weights the run had when it started: over several windows
+            # the float32 rounding of the run would otherwise compound into the comparison.
+            starts = [init] + [torch.load(p) for p in snapshots[:-1]]
+            per_window = [
+                reference.compare(start, torch.load(end), reference.reference_state(
+                    model, start, [window], loss_mode=loss_mode, optimizer_factory=reference.sgd(lr), ranks=nproc))
+                for start, end, window in zip(starts, snapshots, windows, strict=True)]
+            comparison = dict(max(per_window, key=lambda c: c["rel_err"]))
+            comparison["per_window"] = per_window
+        else:
+            ref = reference.reference_state(model, init, windows, loss_mode=loss_mode,
+                                            optimizer_factory=reference.sgd(lr), ranks=nproc)
+            comparison = reference.compare(init, final, ref)
         if also_last:
-            last = reference.reference_state(model, init, windows, loss_mode=LOSS_MODE[model],
+            last = reference.reference_state(model, init, windows, loss_mode=loss_mode,
                                              optimizer_factory=reference.sgd(lr), last_of_each=nproc)
             comparison["vs_last"] = reference.compare(init, final, last)
-        results[variant] = {**comparison,
+        results[variant] = {**comparison, "windows": [len(w) for w in windows],
                             "rank_status": [{s["id"]: s["state"] for s in r["status"]} for r in ranks],
                             "rank_runtime": [{s["id"]: s.get("runtime", ()) for s in r["status"]} for r in ranks]}
     return results

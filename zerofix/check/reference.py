@@ -3,7 +3,8 @@ the ranks consumed.
 
 The loss the user means, per accumulation window (all micro-batches of all ranks between two optimizer
 steps): ``token-mean`` = sum of every counted token's loss / number of counted tokens (models taking
-loss kwargs); ``batch-mean`` = mean of the micro-batch means (models without them). Computed in
+loss kwargs); ``rank-token-mean`` = the mean over ranks of each rank's token mean over its share of the
+window (what ``average_tokens_across_devices=False`` asks for); ``batch-mean`` = mean of the micro-batch means (models without them). Computed in
 float64, so the comparison measures the distributed run's error, not the reference's.
 """
 from __future__ import annotations
@@ -12,17 +13,18 @@ import torch
 
 from zerofix.check import models
 
-LOSS_MODES = ("token-mean", "batch-mean")
+LOSS_MODES = ("token-mean", "rank-token-mean", "batch-mean")
 
 
 def reference_state(kind: str, init_state: dict, windows, *, loss_mode: str, optimizer_factory,
-                    seed: int = 0, last_of_each: int = 0) -> dict:
+                    seed: int = 0, last_of_each: int = 0, ranks: int = 1) -> dict:
     """Parameters after one optimizer step per window.
 
     ``windows``: one entry per optimizer step, each a list of micro-batches (lists of sample indices)
     from every rank. ``optimizer_factory(params)`` builds the same optimizer the run used.
     ``last_of_each=R``: what a run that keeps only each rank's last micro-batch of a window computes
     (the window split into R equal rank slices; the normalisation still counts the whole window).
+    ``ranks``: how many equal rank slices a window holds (``rank-token-mean`` only).
     """
     if loss_mode not in LOSS_MODES:
         raise ValueError(f"loss_mode must be one of {LOSS_MODES}")
@@ -39,6 +41,12 @@ def reference_state(kind: str, init_state: dict, windows, *, loss_mode: str, opt
             kept = [(r + 1) * per_rank - 1 for r in range(last_of_each)]
         if loss_mode == "token-mean":
             loss = torch.stack([sums[i] for i in kept]).sum() / sum(counts)
+        elif loss_mode == "rank-token-mean":
+            if last_of_each or len(window) % ranks:
+                raise ValueError("rank-token-mean needs whole rank slices and no last_of_each")
+            per_rank = len(window) // ranks
+            slices = [range(r * per_rank, (r + 1) * per_rank) for r in range(ranks)]
+            loss = torch.stack([sum(sums[i] for i in sl) / sum(counts[i] for i in sl) for sl in slices]).mean()
         else:
             loss = torch.stack([sums[i] / counts[i] for i in kept]).sum() / len(window)
         loss.backward()

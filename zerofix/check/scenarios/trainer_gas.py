@@ -31,8 +31,20 @@ def parse_args(argv=None):
     p.add_argument("--no-average-tokens", action="store_true")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                    help="train through DeepSpeed with this ZeRO stage (default: no DeepSpeed)")
+    p.add_argument("--cells", default=None,
+                   help="JSON file: a list of cells, each {name, model, gas, samples, average_tokens}; every "
+                   "cell is trained per variant in this one job (results under <out>/<name>/)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
+
+
+def cell_args(args, cell: dict):
+    """The scenario's arguments for one cell of ``--cells``."""
+    cell_args = argparse.Namespace(**vars(args))
+    cell_args.model, cell_args.gas = cell["model"], cell["gas"]
+    cell_args.samples = cell.get("samples", 0)
+    cell_args.no_average_tokens = not cell.get("average_tokens", True)
+    return cell_args
 
 
 def deepspeed_config(stage: int) -> dict:
@@ -77,7 +89,7 @@ def final_weights(model, zero_stage) -> dict:
 def train(args, variant: str, out: Path, world: int, rank: int) -> None:
     import torch
     from torch.utils.data import SequentialSampler
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     import zerofix
     from zerofix.check import models
@@ -110,16 +122,27 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         **({"ddp_backend": "gloo"} if world > 1 else {}),
         **({"deepspeed": deepspeed_config(args.zero_stage)} if args.zero_stage is not None else {}),
     )
-    trainer = RecordingTrainer(model=model, args=training_args, train_dataset=dataset,
-                               data_collator=models.stack)
-    trainer.train()
     vdir = out / variant
     vdir.mkdir(parents=True, exist_ok=True)
+
+    class Snapshots(TrainerCallback):
+        """The weights after every optimizer step, so each window is compared from where the run stood
+        (over several windows, float32 rounding would otherwise compound into the comparison)."""
+
+        def on_step_end(self, train_args, state, control, **kwargs):
+            weights = final_weights(model, args.zero_stage)  # collective under ZeRO-3: every rank
+            if rank == 0:
+                torch.save(weights, vdir / f"step{state.global_step}.pt")
+
+    trainer = RecordingTrainer(model=model, args=training_args, train_dataset=dataset,
+                               data_collator=models.stack, callbacks=[Snapshots()])
+    trainer.train()
     weights = final_weights(model, args.zero_stage)
     if rank == 0:
         torch.save(weights, vdir / "final.pt")
     record = {
         "rank": rank, "world": world, "variant": variant, "model": args.model, "gas": args.gas,
+        "average_tokens": not args.no_average_tokens, "cell_dir": out.name,
         "windows": [windows[s] for s in sorted(windows)],
         "status": [r.to_dict() for r in zerofix.status()],
     }
@@ -139,13 +162,18 @@ def main(argv=None):
 
     if args.zero_stage is not None:
         step_without_grad_mode()
-    if args.zerofix in ("off", "both"):
-        train(args, "unpatched", out, world, rank)
-    if args.zerofix in ("on", "both"):
-        zerofix.patch()
-        train(args, "patched", out, world, rank)
-    if args.zerofix == "env":
-        train(args, "env", out, world, rank)
+    runs = [(args, out)]
+    if args.cells:
+        cells = json.loads(Path(args.cells).read_text())
+        runs = [(cell_args(args, cell), out / cell["name"]) for cell in cells]
+        for _, cell_out in runs:
+            cell_out.mkdir(parents=True, exist_ok=True)
+    variants = {"off": ["unpatched"], "on": ["patched"], "both": ["unpatched", "patched"], "env": ["env"]}
+    for variant in variants[args.zerofix]:
+        if variant == "patched":
+            zerofix.patch()
+        for run_args, run_out in runs:
+            train(run_args, variant, run_out, world, rank)
     from zerofix.check.scenarios import finish
 
     finish()
