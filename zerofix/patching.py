@@ -236,7 +236,7 @@ def _install(fix: catalogue.Fix, version: str) -> Record:
     _installed[fix.id] = done
     where = ", ".join(f"{t.module}.{t.attribute}" for t in fix.targets)
     return Record(fix.id, APPLIED, fix.dist, version, fix.affected,
-                  f"{fix.dist} {version} is in {fix.affected}; wrapped {where}")
+                  f"{fix.dist} {version} is in the affected range {fix.affected}; wrapped {where}")
 
 
 def _remove_layer(slot: _Slot, fix_id: str) -> None:
@@ -272,7 +272,8 @@ def status() -> list[Record]:
                     record = guard
                 elif record is None:
                     record = Record(fix.id, INACTIVE, fix.dist, None, fix.affected,
-                                    "in range; enable with zerofix.patch() or ZEROFIX=1")
+                                    f"{fix.dist} {version} is in the affected range {fix.affected}; "
+                                    "enable with zerofix.patch() or ZEROFIX=1")
                 record = record._replace(installed=version)
             elif record.state == APPLIED:
                 details = getattr(sys.modules.get(fix.implementation), "runtime_details", None)

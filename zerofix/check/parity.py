@@ -25,7 +25,7 @@ def trainer_gas(out_dir, *, model: str = "causal-lm", nproc: int = 1, gas: int =
 
 def trainer_cells(out_dir, cells, *, nproc: int = 1, zero_stage: int | None = None, lr: float = 5.0,
                   zerofix: str = "both", env=None, python: str = sys.executable, timeout: float = 900) -> dict:
-    """Several Trainer cells (dicts: name, model, gas, samples, average_tokens) in one torchrun job, with
+    """Several Trainer cells (dicts: name, model, gas, samples, average_tokens, lr) in one torchrun job, with
     or without DeepSpeed: {cell name: {variant: comparison + rank_status}}."""
     import json
 
@@ -45,7 +45,36 @@ def trainer_cells(out_dir, cells, *, nproc: int = 1, zero_stage: int | None = No
         if loss_mode == "token-mean" and not cell.get("average_tokens", True):
             loss_mode = "rank-token-mean"  # each rank normalises by its own tokens, then ranks are averaged
         results[cell["name"]] = compare_variants(out_dir / cell["name"], cell_records, model=cell["model"],
-                                                 nproc=nproc, lr=lr, loss_mode=loss_mode)
+                                                 nproc=nproc, lr=cell.get("lr", lr), loss_mode=loss_mode)
+    return results
+
+
+ACCELERATE_LOOP = "zerofix.check.scenarios.accelerate_loop"
+
+
+def accelerate_cells(out_dir, cells, *, nproc: int = 1, zero_stage: int | None = None, lr: float = 5.0,
+                     zerofix: str = "both", env=None, python: str = sys.executable, timeout: float = 900) -> dict:
+    """Plain ``accelerator.accumulate`` loops (dicts: name, model, gas, samples) in one torchrun job:
+    {cell name: {variant: comparison + rank_status + left_over}}. The loss meant is the mean of the
+    micro-batch means of a window (each micro-batch's loss is its own mean, accelerate divides)."""
+    import json
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cells_file = out_dir / "cells.json"
+    cells_file.write_text(json.dumps(list(cells)))
+    args = ["--cells", str(cells_file), "--lr", str(lr), "--zerofix", zerofix]
+    if zero_stage is not None:
+        args += ["--zero-stage", str(zero_stage)]
+    records = launch.torchrun(ACCELERATE_LOOP, args, nproc=nproc, out_dir=out_dir, env=env, python=python,
+                              timeout=timeout)
+    results = {}
+    for cell in cells:
+        cell_records = [r for r in records if r["cell_dir"] == cell["name"]]
+        results[cell["name"]] = compare_variants(out_dir / cell["name"], cell_records, model=cell["model"],
+                                                 nproc=nproc, lr=lr, loss_mode="batch-mean")
+        for variant, result in results[cell["name"]].items():
+            result["left_over"] = sum(len(r["left_over"]) for r in cell_records if r["variant"] == variant)
     return results
 
 

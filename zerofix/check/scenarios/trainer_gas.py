@@ -32,7 +32,7 @@ def parse_args(argv=None):
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                    help="train through DeepSpeed with this ZeRO stage (default: no DeepSpeed)")
     p.add_argument("--cells", default=None,
-                   help="JSON file: a list of cells, each {name, model, gas, samples, average_tokens}; every "
+                   help="JSON file: a list of cells, each {name, model, gas, samples, average_tokens, lr}; every "
                    "cell is trained per variant in this one job (results under <out>/<name>/)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -44,6 +44,7 @@ def cell_args(args, cell: dict):
     cell_args.model, cell_args.gas = cell["model"], cell["gas"]
     cell_args.samples = cell.get("samples", 0)
     cell_args.no_average_tokens = not cell.get("average_tokens", True)
+    cell_args.lr = cell.get("lr", args.lr)
     return cell_args
 
 
@@ -82,7 +83,11 @@ def final_weights(model, zero_stage) -> dict:
         from deepspeed.utils import safe_get_full_fp32_param
 
         for name, param in model.named_parameters():
-            state[name] = safe_get_full_fp32_param(param).detach().clone()
+            full = safe_get_full_fp32_param(param)
+            if full is None:
+                raise RuntimeError(f"no fp32 copy of {name}: requires_grad={param.requires_grad} "
+                                   f"ds_id={hasattr(param, 'ds_id')} z3={hasattr(param, '_z3_optimizer')}")
+            state[name] = full.detach().clone()
     return state
 
 
