@@ -78,15 +78,23 @@ def per_call_us():
     try:
         from accelerate import Accelerator
 
-        from zerofix.fixes import transformers_accelerate_double_division as fix
+        from zerofix.fixes import _trainer_step as fix
     except Exception as exc:  # noqa: BLE001
         print(f"(real wrapper not measured: {exc})")
         return out
-    trainer = types.SimpleNamespace(accelerator=Accelerator(gradient_accumulation_steps=8, cpu=True))
-    noop = lambda model, inputs: None  # noqa: E731
-    real = min(timeit.repeat(lambda: fix.training_step(noop, trainer, (None, None), {}),
+    # The Trainer's scaling mechanism: training_step opens the step, Accelerator.backward plans and acts
+    # (with no entry applied the plan is empty; the cost is reading the call's facts).
+    accelerator = Accelerator(gradient_accumulation_steps=8, cpu=True)
+    trainer = types.SimpleNamespace(accelerator=accelerator, model_accepts_loss_kwargs=True, compute_loss_func=None,
+                                    args=types.SimpleNamespace(gradient_accumulation_steps=8))
+    noop = lambda *a, **k: None  # noqa: E731
+    step = lambda model, inputs, n: fix.backward(noop, accelerator, (1.0,), {})  # noqa: E731
+    bare = min(timeit.repeat(lambda: step(None, None, 5), number=20_000, repeat=5)) / 20_000 * 1e6
+    accelerator.__dict__.pop(fix._STEP, None)
+    real = min(timeit.repeat(lambda: fix.training_step(step, trainer, (None, None, 5), {}),
                              number=20_000, repeat=5)) / 20_000 * 1e6
-    out["training_step wrapper (real Accelerator, GAS=8)"] = real
+    out["Trainer step: training_step + Accelerator.backward wrappers (real Accelerator, GAS=8)"] = real
+    out["Accelerator.backward wrapper outside a Trainer step"] = bare
     return out
 
 
