@@ -27,17 +27,9 @@ def trainer_cells(out_dir, cells, *, nproc: int = 1, zero_stage: int | None = No
                   zerofix: str = "both", env=None, python: str = sys.executable, timeout: float = 900) -> dict:
     """Several Trainer cells (dicts: name, model, gas, samples, average_tokens, lr) in one torchrun job, with
     or without DeepSpeed: {cell name: {variant: comparison + rank_status}}."""
-    import json
-
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cells_file = out_dir / "cells.json"
-    cells_file.write_text(json.dumps(list(cells)))
-    args = ["--cells", str(cells_file), "--lr", str(lr), "--zerofix", zerofix]
-    if zero_stage is not None:
-        args += ["--zero-stage", str(zero_stage)]
-    records = launch.torchrun(TRAINER_GAS, args, nproc=nproc, out_dir=out_dir, env=env, python=python,
-                              timeout=timeout)
+    records = _launch_cells(TRAINER_GAS, out_dir, cells, nproc=nproc, zero_stage=zero_stage, lr=lr,
+                            zerofix=zerofix, env=env, python=python, timeout=timeout)
     results = {}
     for cell in cells:
         cell_records = [r for r in records if r["cell_dir"] == cell["name"]]
@@ -57,17 +49,9 @@ def accelerate_cells(out_dir, cells, *, nproc: int = 1, zero_stage: int | None =
     """Plain ``accelerator.accumulate`` loops (dicts: name, model, gas, samples) in one torchrun job:
     {cell name: {variant: comparison + rank_status + left_over}}. The loss meant is the mean of the
     micro-batch means of a window (each micro-batch's loss is its own mean, accelerate divides)."""
-    import json
-
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cells_file = out_dir / "cells.json"
-    cells_file.write_text(json.dumps(list(cells)))
-    args = ["--cells", str(cells_file), "--lr", str(lr), "--zerofix", zerofix]
-    if zero_stage is not None:
-        args += ["--zero-stage", str(zero_stage)]
-    records = launch.torchrun(ACCELERATE_LOOP, args, nproc=nproc, out_dir=out_dir, env=env, python=python,
-                              timeout=timeout)
+    records = _launch_cells(ACCELERATE_LOOP, out_dir, cells, nproc=nproc, zero_stage=zero_stage, lr=lr,
+                            zerofix=zerofix, env=env, python=python, timeout=timeout)
     results = {}
     for cell in cells:
         cell_records = [r for r in records if r["cell_dir"] == cell["name"]]
@@ -76,6 +60,20 @@ def accelerate_cells(out_dir, cells, *, nproc: int = 1, zero_stage: int | None =
         for variant, result in results[cell["name"]].items():
             result["left_over"] = sum(len(r["left_over"]) for r in cell_records if r["variant"] == variant)
     return results
+
+
+def _launch_cells(module: str, out_dir: Path, cells, *, nproc, zero_stage, lr, zerofix, env, python,
+                  timeout) -> list[dict]:
+    """One torchrun job running every cell of ``cells`` (written to ``cells.json``) per variant."""
+    import json
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cells_file = out_dir / "cells.json"
+    cells_file.write_text(json.dumps(list(cells)))
+    args = ["--cells", str(cells_file), "--lr", str(lr), "--zerofix", zerofix]
+    if zero_stage is not None:
+        args += ["--zero-stage", str(zero_stage)]
+    return launch.torchrun(module, args, nproc=nproc, out_dir=out_dir, env=env, python=python, timeout=timeout)
 
 
 def compare_variants(out_dir: Path, records: list[dict], *, model: str, nproc: int, lr: float,

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import inspect
 
+from accelerate.utils import DistributedType  # imported by the fixes only, once accelerate is
+
 from zerofix import catalogue, patching, scaling
 
 NOKW = "transformers-nokw-undivided"
@@ -28,12 +30,11 @@ _WINDOW = "_zerofix_window"  # in trainer.__dict__: micro-batches of the current
 
 
 class TrainerStep:
-    __slots__ = ("trainer", "num_items_in_batch", "handled", "plan")
+    __slots__ = ("trainer", "num_items_in_batch", "handled")
 
     def __init__(self, trainer, num_items_in_batch):
         self.trainer, self.num_items_in_batch = trainer, num_items_in_batch
         self.handled = False
-        self.plan = None
 
 
 _release_leaves_nokw_undivided = None
@@ -87,8 +88,6 @@ def get_batch_samples(wrapped, trainer, args, kwargs):
 
 
 def describe(accelerator, step: TrainerStep, kwargs) -> scaling.Call:
-    from accelerate.utils import DistributedType
-
     trainer = step.trainer
     accepts = bool(getattr(trainer, "model_accepts_loss_kwargs", False))
     own_loss = getattr(trainer, "compute_loss_func", None) is not None
@@ -118,7 +117,7 @@ def backward(wrapped, accelerator, args, kwargs):
     if step is None or step.handled:  # not the Trainer's backward, or an outer layer took care of it
         return wrapped(*args, **kwargs)
     step.handled = True
-    plan = step.plan = scaling.plan(describe(accelerator, step, kwargs), corrections())
+    plan = scaling.plan(describe(accelerator, step, kwargs), corrections())
     if plan.divide_by != 1:
         if args:
             args = (args[0] / plan.divide_by, *args[1:])
