@@ -6,7 +6,7 @@ public functions load their modules on first use.
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["patch", "unpatch", "status", "StrictError", "__version__"]
+__all__ = ["patch", "unpatch", "status", "gathered", "chunked_cross_entropy", "StrictError", "__version__"]
 
 
 def patch(fixes=None, exclude=(), *, strict=None):
@@ -35,6 +35,28 @@ def status():
     from zerofix import patching
 
     return patching.status()
+
+
+def gathered(*params):
+    """Context manager: ZeRO-3-partitioned parameters among ``params`` are whole inside the block.
+
+    Deduplicates by identity (tied weights), gathers only what DeepSpeed reports not available and releases
+    only that; a no-op without DeepSpeed, below ZeRO-3 or for ordinary tensors. See ``zerofix.zero3``.
+    """
+    from zerofix.zero3 import gathered as _gathered
+
+    return _gathered(*params)
+
+
+def chunked_cross_entropy(hidden, weight, labels, bias=None, **options):
+    """Cross-entropy of ``hidden @ weight.T + bias`` without the full logits, ZeRO-3 safe.
+
+    Options: ``ignore_index``, ``reduction``, ``num_items_in_batch``, ``chunk_size``, ``label_smoothing``,
+    ``logit_softcap``, ``z_loss``, ``logit_scale``; see ``zerofix.losses.chunked_cross_entropy``.
+    """
+    from zerofix.losses import chunked_cross_entropy as _loss
+
+    return _loss(hidden, weight, labels, bias, **options)
 
 
 def __getattr__(name):

@@ -1,0 +1,354 @@
+"""A chunked cross-entropy of ``hidden @ weight.T (+ bias)`` that never builds the ``N x V`` logits and is safe
+under ZeRO-3, inside or outside the engine's forward.
+
+How (the why of each choice):
+- Fused gradients. For the scalar reductions the forward computes, chunk by chunk, the loss *and* both input
+  gradients (``dlogits @ W`` and ``dlogits.T @ h``); backward only scales them by the incoming gradient. That
+  is three matmuls in all, like plain autograd, with one ``chunk x V`` block alive at a time and nothing to
+  recompute. ``reduction="none"`` must weight each token by its own incoming gradient, so it recomputes the
+  chunks in backward instead.
+- Ignored positions are dropped before the matmul, so they cost nothing.
+- Low precision (bf16/fp16) inputs: the matmuls run in the input dtype; softmax, the loss and the weight
+  gradient accumulate in float32.
+- ZeRO-3. A partitioned head is gathered once around the forward (a no-op where DeepSpeed already made it
+  whole, e.g. read by attribute inside ``engine.forward``), so the autograd node records its full shape.
+  In backward it is gathered at most once more and kept whole until autograd has accumulated the weight's
+  gradient (and DeepSpeed's reduction hook on that accumulation has run): the gradient cannot be accumulated
+  into a 0-element parameter. Every rank gathers the same number of times whatever its number of chunks or
+  valid tokens, because a gather is a collective (per-chunk gathers hang when ranks differ).
+
+Nothing here knows about patching; importing this module imports torch (the public ``zerofix`` API imports
+it lazily).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zerofix import zero3
+
+__all__ = ["chunked_cross_entropy", "default_chunk_size", "ChunkedStats"]
+
+_REDUCTIONS = ("mean", "sum", "none")
+# One chunk's float32 logits block is kept near this size: large enough for efficient matmuls, small
+# enough that it stays a fraction of the full logits (measured in benchmarks/bench_chunked_ce.py).
+_CHUNK_BYTES = 32 * 2**20
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """Rows per chunk: a power of two with ``rows x vocab_size`` float32 logits near 32 MiB (64..8192)."""
+    rows = max(1, _CHUNK_BYTES // (4 * max(1, vocab_size)))
+    return int(min(8192, max(64, 2 ** int(math.log2(rows)))))
+
+
+class ChunkedStats:
+    """Token statistics computed in the same chunk loop, without gradients (for logging)."""
+
+    __slots__ = ("num_correct", "entropy_sum", "num_valid")
+
+    def __init__(self, num_correct, entropy_sum, num_valid):
+        self.num_correct, self.entropy_sum, self.num_valid = num_correct, entropy_sum, num_valid
+
+
+class _Options:
+    __slots__ = ("chunk_size", "label_smoothing", "logit_softcap", "z_loss", "logit_scale", "weight_scale",
+                 "stats", "acc")
+
+    def __init__(self, chunk_size, label_smoothing, logit_softcap, z_loss, logit_scale, weight_scale, stats, acc):
+        self.chunk_size = chunk_size
+        self.label_smoothing = label_smoothing
+        self.logit_softcap = logit_softcap
+        self.z_loss = z_loss
+        self.logit_scale = logit_scale
+        self.weight_scale = weight_scale  # 1/denominator for the scalar reductions
+        self.stats = stats
+        self.acc = acc  # accumulation dtype: float32, or float64 for float64 inputs
+
+
+def _chunk_logits(h, weight, bias, opt):
+    """Logits of one chunk in the accumulation dtype and, with a softcap, the tanh needed for its derivative."""
+    z = (h @ weight.t()).to(opt.acc)
+    if bias is not None:
+        z += bias.to(opt.acc)
+    if opt.logit_scale != 1.0:
+        z *= opt.logit_scale
+    t = None
+    if opt.logit_softcap is not None:
+        t = torch.tanh(z / opt.logit_softcap)
+        z = t * opt.logit_softcap
+    return z, t
+
+
+def _chunk_loss_and_dlogits(z, t, y, opt, row_weight, want_grad):
+    """Per-token loss of one chunk; with ``want_grad`` also d(sum_i w_i loss_i)/d(raw logits), in place of z."""
+    vocab = z.shape[-1]
+    eps = opt.label_smoothing
+    lse = torch.logsumexp(z, dim=-1)
+    z_y = z.gather(1, y[:, None]).squeeze(1)
+    loss = (1.0 - eps) * (lse - z_y)
+    if eps:
+        loss += eps * (lse - z.mean(dim=-1))
+    if opt.z_loss:
+        loss += opt.z_loss * lse * lse
+    if not want_grad:
+        return loss, lse, None
+    # d loss_i / d z_ij = p_ij (1 + 2 zl lse_i) - (1 - eps) [j == y_i] - eps / V
+    d = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+    if opt.z_loss:
+        d *= (1.0 + 2.0 * opt.z_loss * lse)[:, None]
+    if eps:
+        d -= eps / vocab
+    d.scatter_add_(1, y[:, None], torch.full_like(lse, -(1.0 - eps))[:, None])
+    if t is not None:  # softcap: z = c tanh(raw / c)  =>  dz/draw = 1 - tanh^2
+        d *= 1.0 - t * t
+    if opt.logit_scale != 1.0:
+        d *= opt.logit_scale
+    d *= row_weight[:, None]
+    return loss, lse, d
+
+
+def _chunk_stats(z, y, lse):
+    """Correct argmax count and the sum of entropies of one chunk (z: float32 logits, before in-place use)."""
+    correct = (z.argmax(dim=-1) == y).sum()
+    p = torch.softmax(z, dim=-1)
+    entropy = (lse - (p * z).sum(dim=-1)).sum()
+    return correct, entropy
+
+
+def _chunks(n, size):
+    return ((s, min(n, s + size)) for s in range(0, n, size))
+
+
+def _forward_pass(h, weight, bias, y, opt, row_weights, want_grads):
+    """One pass over the chunks: per-token losses and, if ``want_grads`` = (dh, dW, db) flags, the gradients."""
+    n = h.shape[0]
+    acc = opt.acc
+    losses = torch.empty(n, dtype=acc, device=h.device)
+    want_h, want_w, want_b = want_grads
+    want_any = want_h or want_w or want_b
+    grad_h = torch.empty_like(h) if want_h else None
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device) if want_w else None
+    grad_b = torch.zeros(weight.shape[0], dtype=acc, device=h.device) if want_b else None
+    correct = torch.zeros((), dtype=torch.long, device=h.device)
+    entropy = torch.zeros((), dtype=acc, device=h.device)
+    for s, e in _chunks(n, opt.chunk_size):
+        hc, yc = h[s:e], y[s:e]
+        z, t = _chunk_logits(hc, weight, bias, opt)
+        if opt.stats:
+            c, ent = _chunk_stats(z, yc, torch.logsumexp(z, dim=-1))
+            correct += c
+            entropy += ent
+        loss, _, d = _chunk_loss_and_dlogits(z, t, yc, opt, row_weights[s:e] if want_any else None, want_any)
+        losses[s:e] = loss
+        if want_h:
+            grad_h[s:e] = d.to(weight.dtype) @ weight
+        if want_w:
+            grad_w.addmm_(d.t(), hc.to(acc))
+        if want_b:
+            grad_b += d.sum(dim=0)
+    return losses, (grad_h, grad_w, grad_b), (correct, entropy)
+
+
+class _ZeRO3Hold:
+    """Keeps ZeRO-3 parameters gathered in backward until autograd has accumulated their gradient.
+
+    The release runs as a post-hook of each parameter's AccumulateGrad node: those hooks run after
+    DeepSpeed's own reduction hook on the same node (registered earlier, at engine construction), so
+    DeepSpeed reduces the gradient of a whole parameter and zerofix partitions it afterwards.
+    """
+
+    def __init__(self, params_needing_grad, params_read):
+        self.todo = zero3.gather(*params_read, *params_needing_grad)
+        self.pending = {id(p) for p in self.todo if p.requires_grad}
+        self.handles = []
+        with torch.enable_grad():  # backward runs with grad mode off; the node is reached through a view
+            for p in self.todo:
+                if id(p) in self.pending:
+                    node = p.view_as(p).grad_fn.next_functions[0][0]
+                    self.handles.append(node.register_hook(self._accumulated(p)))
+
+    def _accumulated(self, p):
+        def hook(*_):
+            self.pending.discard(id(p))
+            if not self.pending:
+                self.release()
+        return hook
+
+    def release_if_no_grad(self):
+        if not self.pending:
+            self.release()
+
+    def release(self):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        todo, self.todo = self.todo, []
+        # Partition only what is still whole and not in use by a module DeepSpeed is running (a tied
+        # embedding's own backward may hold it too; DeepSpeed releases it then).
+        still = [p for p in todo if getattr(p.ds_status, "name", "") == "AVAILABLE"
+                 and not getattr(p, "ds_active_sub_modules", None)]
+        zero3.release(still)
+
+
+class _ChunkedCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, bias, y, opt):
+        want = ctx.needs_input_grad
+        fused = opt.weight_scale is not None
+        want_grads = (want[0], want[1], bias is not None and want[2]) if fused else (False, False, False)
+        row_weights = torch.full((h.shape[0],), opt.weight_scale or 1.0, dtype=opt.acc, device=h.device)
+        losses, grads, stats = _forward_pass(h, weight, bias, y, opt, row_weights, want_grads)
+        ctx.opt, ctx.fused = opt, fused
+        ctx.weight, ctx.bias = weight, bias  # the parameters themselves, for the ZeRO-3 hold in backward
+        ctx.weight_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
+        if fused:
+            grad_h, grad_w, grad_b = grads
+            ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                         None if grad_b is None else grad_b.to(bias.dtype))
+            out = losses.sum() * opt.weight_scale
+        else:
+            ctx.save_for_backward(h, weight, bias, y)
+            out = losses
+        ctx.mark_non_differentiable(*stats)
+        return (out, *stats)
+
+    @staticmethod
+    def backward(ctx, grad_out, *_):
+        if ctx.fused:
+            grad_h, grad_w, grad_b = ctx.grads
+            ctx.grads = None
+            # The weight's gradient is accumulated into the parameter right after this returns; under
+            # ZeRO-3 the parameter must be whole then.
+            hold = _ZeRO3Hold([p for p, g in ((ctx.weight, grad_w), (ctx.bias, grad_b)) if g is not None], [])
+            hold.release_if_no_grad()
+            if not torch.equal(grad_out, torch.ones_like(grad_out)):
+                grad_h = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
+                grad_w = None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)
+                grad_b = None if grad_b is None else grad_b * grad_out.to(grad_b.dtype)
+            return grad_h, grad_w, grad_b, None, None
+        h, weight, bias, y = ctx.saved_tensors
+        want = ctx.needs_input_grad
+        needing = [p for p, w in ((weight, want[1]), (bias, want[2])) if p is not None and w]
+        hold = _ZeRO3Hold(needing, [p for p in (weight, bias) if p is not None])
+        try:
+            _, (grad_h, grad_w, grad_b), _ = _forward_pass(
+                h, weight, bias, y, ctx.opt, grad_out.to(ctx.opt.acc), (want[0], want[1], bias is not None and want[2]))
+        finally:
+            hold.release_if_no_grad()
+        return (grad_h, None if grad_w is None else grad_w.to(ctx.weight_dtype),
+                None if grad_b is None else grad_b.to(ctx.bias_dtype), None, None)
+
+
+def _check(hidden, weight, labels, bias, reduction, chunk_size, label_smoothing, logit_softcap, z_loss,
+           num_items_in_batch):
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r}: use one of {', '.join(map(repr, _REDUCTIONS))}")
+    if num_items_in_batch is not None and reduction != "mean":
+        raise ValueError(f"num_items_in_batch replaces the token count of reduction='mean'; with "
+                         f"reduction={reduction!r} leave it out (divide the result yourself)")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing}: must be in [0, 1]")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap={logit_softcap}: must be > 0 (or None for no softcap)")
+    if z_loss < 0:
+        raise ValueError(f"z_loss={z_loss}: must be >= 0")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size={chunk_size!r}: must be a positive int (or None for the default)")
+    if labels.dtype not in (torch.long, torch.int, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"labels must hold integer class indices, got {labels.dtype}")
+    if hidden.dim() < 1 or tuple(hidden.shape[:-1]) != tuple(labels.shape):
+        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} do not match: hidden must "
+                         f"be labels.shape + (hidden_size,); for a causal LM shift first "
+                         f"(hidden[..., :-1, :], labels[..., 1:])")
+    if weight.dim() != 2 or weight.numel() == 0:
+        why = (" (a ZeRO-3 partition that zerofix could not gather: pass the parameter itself, not a copy "
+               "or a view of it)") if weight.numel() == 0 else ""
+        raise ValueError(f"weight must be (vocab_size, hidden_size), got {tuple(weight.shape)}{why}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match hidden size {hidden.shape[-1]}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} must be (vocab_size,) = ({weight.shape[0]},)")
+
+
+def _run(hidden, weight, labels, bias, *, ignore_index, reduction, num_items_in_batch, chunk_size,
+         label_smoothing, logit_softcap, z_loss, logit_scale, stats):
+    # One gather for the whole forward, never per chunk (and by every rank, even with nothing to compute).
+    with zero3.gathered(weight, bias):
+        _check(hidden, weight, labels, bias, reduction, chunk_size, label_smoothing, logit_softcap, z_loss,
+               num_items_in_batch)
+        vocab, size = weight.shape
+        flat_labels = labels.reshape(-1)
+        valid = flat_labels != ignore_index
+        y = flat_labels[valid].long()
+        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= vocab):
+            raise ValueError(f"labels must be in [0, {vocab}) or ignore_index={ignore_index}; got values in "
+                             f"[{int(y.min())}, {int(y.max())}]")
+        h = hidden.reshape(-1, size)
+        h_valid = h[valid]
+        if h_valid.dtype != weight.dtype:
+            h_valid = h_valid.to(weight.dtype)
+        n_valid = y.numel()
+        if reduction == "none":
+            weight_scale = None
+        elif reduction == "sum":
+            weight_scale = 1.0
+        else:
+            denom = n_valid if num_items_in_batch is None else float(num_items_in_batch)
+            weight_scale = 1.0 / denom if denom > 0 else 0.0  # no counted token anywhere: loss 0, gradient 0
+        opt = _Options(chunk_size or default_chunk_size(vocab), float(label_smoothing), logit_softcap,
+                       float(z_loss), float(logit_scale), weight_scale, stats,
+                       torch.promote_types(weight.dtype, torch.float32))
+        out, correct, entropy = _ChunkedCE.apply(h_valid, weight, bias, y, opt)
+    if reduction == "none":
+        full = out.new_zeros(flat_labels.shape)
+        full = full.masked_scatter(valid, out) if n_valid else full + out.sum() * 0
+        out = full.view(labels.shape)
+    out = out.to(hidden.dtype)
+    # The scatter of dh back to the ignored positions is autograd's (the indexing above), so ignored
+    # positions get an exact zero gradient.
+    return out, ChunkedStats(correct, entropy, torch.tensor(n_valid, device=hidden.device))
+
+
+def chunked_cross_entropy(hidden, weight, labels, bias=None, *, ignore_index: int = -100,
+                          reduction: str = "mean", num_items_in_batch=None, chunk_size: int | None = None,
+                          label_smoothing: float = 0.0, logit_softcap: float | None = None,
+                          z_loss: float = 0.0, logit_scale: float = 1.0):
+    """Cross-entropy of ``hidden @ weight.T + bias`` against ``labels``, without building the full logits.
+
+    Equals ``F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=..., reduction=...,
+    label_smoothing=...)`` with ``logits = softcap(logit_scale * (hidden @ weight.T + bias))`` and
+    ``softcap(x) = c * tanh(x / c)``, plus ``z_loss * logsumexp(logits)**2`` per counted token.
+
+    - ``hidden``: ``(..., H)``; ``labels``: the same leading shape, class indices or ``ignore_index``.
+      For a causal LM, shifting is the caller's choice::
+
+          loss = chunked_cross_entropy(h[:, :-1], model.lm_head.weight, labels[:, 1:])
+
+    - ``reduction``: ``"mean"`` over counted tokens (0, not NaN, when there are none), ``"sum"``, or
+      ``"none"`` (per position, 0 at ignored positions).
+    - ``num_items_in_batch``: the Trainer's normalisation, sum of this micro-batch's token losses divided
+      by this count (the counted tokens of the whole accumulation window, across ranks). ``"mean"`` only.
+    - ``chunk_size``: rows per chunk (default: ``default_chunk_size(V)``, about 32 MiB of float32 logits).
+    - Works with ZeRO-3 partitioned ``weight``/``bias``, inside or outside ``engine.forward``: each is
+      gathered at most once in forward and once in backward, whatever the number of chunks. Every rank must
+      call it the same number of times (a gather is a collective), which any data-parallel loop does.
+    - bf16/fp16 inputs: matmuls in the input dtype, softmax and accumulation in float32; the result has
+      the input dtype.
+    """
+    loss, _ = _run(hidden, weight, labels, bias, ignore_index=ignore_index, reduction=reduction,
+                   num_items_in_batch=num_items_in_batch, chunk_size=chunk_size,
+                   label_smoothing=label_smoothing, logit_softcap=logit_softcap, z_loss=z_loss,
+                   logit_scale=logit_scale, stats=False)
+    return loss
+
+
+def chunked_cross_entropy_with_stats(hidden, weight, labels, bias=None, **options):
+    """``chunked_cross_entropy`` plus ``ChunkedStats`` (argmax-correct count, entropy sum, counted tokens)."""
+    kwargs = dict(ignore_index=-100, reduction="mean", num_items_in_batch=None, chunk_size=None,
+                  label_smoothing=0.0, logit_softcap=None, z_loss=0.0, logit_scale=1.0)
+    unknown = set(options) - set(kwargs)
+    if unknown:
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(kwargs)}")
+    kwargs.update(options)
+    return _run(hidden, weight, labels, bias, stats=True, **kwargs)

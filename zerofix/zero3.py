@@ -1,0 +1,81 @@
+"""``gathered(*params)``: make ZeRO-3-partitioned parameters whole for the duration of a direct read.
+
+Under ZeRO-3 a parameter outside the forward of the module that owns it holds a 0-element tensor; code that
+reads it directly (``x @ lm_head.weight.T``) then crashes with a size mismatch, on some ranks only. DeepSpeed
+gathers a parameter automatically only when the owning module's hooks run, or (DeepSpeed >= 0.16) when it is
+read by attribute inside ``engine.forward``. Everything else has to gather explicitly.
+
+Rules, all chosen so that several ranks stay in lock-step (a gather is a collective):
+- only parameters DeepSpeed reports ``NOT_AVAILABLE`` are gathered, and only those are released on exit.
+  A parameter DeepSpeed already made whole (inside a module's forward, or gathered by an outer block) is
+  left to DeepSpeed: releasing it under its feet would break the module's own backward.
+- duplicates are dropped by identity (tied embeddings, a reference model sharing the head), and the rest
+  are gathered in ``ds_id`` order, the same on every rank.
+- without DeepSpeed, below ZeRO-3, or for ordinary tensors it is a no-op and imports nothing.
+
+Importing this module imports no torch or deepspeed.
+"""
+from __future__ import annotations
+
+import contextlib
+
+__all__ = ["gathered", "is_zero3_param", "partitioned", "gather", "release"]
+
+
+def is_zero3_param(tensor) -> bool:
+    """True for a parameter that ``deepspeed.zero.Init`` / ZeRO-3 partitions."""
+    return hasattr(tensor, "ds_id") and hasattr(tensor, "ds_status")
+
+
+def _flatten(params):
+    for item in params:
+        if item is None:
+            continue
+        if hasattr(item, "shape") and hasattr(item, "dtype"):  # a tensor (torch is not imported here)
+            yield item
+        elif isinstance(item, (list, tuple, set, frozenset)) or hasattr(item, "__next__"):
+            yield from _flatten(item)
+        else:
+            raise TypeError(f"zerofix.gathered() takes parameters (or lists of them), got {type(item).__name__}; "
+                            f"pass module.weight or list(module.parameters()), not the module itself")
+
+
+def partitioned(*params) -> list:
+    """The distinct ZeRO-3 parameters among ``params`` that are not available now, in ``ds_id`` order."""
+    seen, out = set(), []
+    for p in _flatten(params):
+        if id(p) in seen or not is_zero3_param(p):
+            continue
+        seen.add(id(p))
+        if getattr(p.ds_status, "name", str(p.ds_status)) == "NOT_AVAILABLE":
+            out.append(p)
+    return sorted(out, key=lambda p: p.ds_id)
+
+
+def gather(*params) -> list:
+    """Gather the parameters that need it (a collective); returns them, for ``release``."""
+    todo = partitioned(*params)
+    if todo:
+        todo[0].all_gather(param_list=todo)
+    return todo
+
+
+def release(todo: list) -> None:
+    """Partition again exactly what ``gather`` gathered (no collective: each rank keeps its own shard)."""
+    if todo:
+        todo[0].partition(param_list=todo, has_been_updated=False)
+
+
+@contextlib.contextmanager
+def gathered(*params):
+    """Context manager: the ZeRO-3 parameters among ``params`` are whole inside the block.
+
+    Read-only: changes made inside the block are discarded (use ``deepspeed.zero.GatheredParameters`` with
+    ``modifier_rank`` to modify). Every rank must enter the block, with the same parameters, even a rank
+    with nothing to compute, because gathering is a collective.
+    """
+    todo = gather(*params)
+    try:
+        yield
+    finally:
+        release(todo)
