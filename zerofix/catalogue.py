@@ -145,6 +145,20 @@ FIXES: tuple[Fix, ...] = (
         where="Trainer with DeepSpeed and GAS > 1 (it passes scale_wrt_gas=False): updates are 1/GAS, and "
         "1/GAS**2 under ZeRO-0/1/2 for a model that returns its logits next to the loss",
     ),
+    Fix(
+        id="trl-chunked-nll-zero3",
+        title="SFTTrainer(loss_type='chunked_nll') reads a ZeRO-3 partitioned lm_head.weight and crashes",
+        dist="trl",
+        affected=">=1.4.0,<1.6.0",
+        targets=(
+            Target("trl.trainer.sft_trainer", "_chunked_cross_entropy_loss", "chunked_cross_entropy_loss"),
+        ),
+        implementation="zerofix.fixes.trl_chunked_nll_zero3",
+        upstream=("https://github.com/huggingface/trl/pull/5873",),
+        fixed_in="1.6.0",
+        where="ZeRO-3 with the loss outside a gathering engine.forward: evaluation on DeepSpeed < 0.16, a "
+        "compute_loss that runs the decoder then the chunked loss: 'size mismatch ... vec (0)' on every rank",
+    ),
 )
 
 

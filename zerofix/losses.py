@@ -272,7 +272,7 @@ def _check(hidden, weight, labels, bias, reduction, chunk_size, label_smoothing,
 
 
 def _run(hidden, weight, labels, bias, *, ignore_index, reduction, num_items_in_batch, chunk_size,
-         label_smoothing, logit_softcap, z_loss, logit_scale, stats):
+         label_smoothing, logit_softcap, z_loss, logit_scale, stats, out_dtype=None):
     # One gather for the whole forward, never per chunk (and by every rank, even with nothing to compute).
     with zero3.gathered(weight, bias):
         _check(hidden, weight, labels, bias, reduction, chunk_size, label_smoothing, logit_softcap, z_loss,
@@ -304,7 +304,7 @@ def _run(hidden, weight, labels, bias, *, ignore_index, reduction, num_items_in_
         full = out.new_zeros(flat_labels.shape)
         full = full.masked_scatter(valid, out) if n_valid else full + out.sum() * 0
         out = full.view(labels.shape)
-    out = out.to(hidden.dtype)
+    out = out.to(out_dtype or hidden.dtype)
     # The scatter of dh back to the ignored positions is autograd's (the indexing above), so ignored
     # positions get an exact zero gradient.
     return out, ChunkedStats(correct, entropy, torch.tensor(n_valid, device=hidden.device))
@@ -346,7 +346,7 @@ def chunked_cross_entropy(hidden, weight, labels, bias=None, *, ignore_index: in
 def chunked_cross_entropy_with_stats(hidden, weight, labels, bias=None, **options):
     """``chunked_cross_entropy`` plus ``ChunkedStats`` (argmax-correct count, entropy sum, counted tokens)."""
     kwargs = dict(ignore_index=-100, reduction="mean", num_items_in_batch=None, chunk_size=None,
-                  label_smoothing=0.0, logit_softcap=None, z_loss=0.0, logit_scale=1.0)
+                  label_smoothing=0.0, logit_softcap=None, z_loss=0.0, logit_scale=1.0, out_dtype=None)
     unknown = set(options) - set(kwargs)
     if unknown:
         raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(kwargs)}")

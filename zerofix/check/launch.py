@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,18 +39,39 @@ def torchrun(module: str, args: list[str], *, nproc: int, out_dir: Path, timeout
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [*launcher_prefix, python, "-m", "torch.distributed.run", "--standalone",
            "--nproc_per_node", str(nproc), "-m", module, *args, "--out", str(out_dir)]
+    return _launch(cmd, module, nproc=nproc, out_dir=out_dir, timeout=timeout, env=env)
+
+
+def accelerate_launch(module: str, args: list[str], *, config: dict, nproc: int, out_dir: Path,
+                      timeout: float = 600, env: dict | None = None, python: str = sys.executable) -> list[dict]:
+    """Launch ``accelerate launch --config_file <config> -m module args`` on ``nproc`` ranks (the config,
+    an accelerate config as a dict, is written next to the results); return the ranks' records."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_file = out_dir / "accelerate_config.json"  # accelerate reads JSON as well as YAML
+    config_file.write_text(json.dumps(config, indent=1))
+    cmd = [python, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
+           "--num_processes", str(nproc), "-m", module, *args, "--out", str(out_dir)]
+    return _launch(cmd, module, nproc=nproc, out_dir=out_dir, timeout=timeout, env=env)
+
+
+def _launch(cmd, module, *, nproc, out_dir, timeout, env):
     # DeepSpeed < 0.16 on CPU counts "devices" with `numactl --hardware` unless LOCAL_SIZE says how many
     # local ranks there are (its own launcher sets it); numactl is not installed everywhere.
     env = {"LOCAL_SIZE": str(nproc), **(env or {})}
+    # Its own session, so that a timeout kills the ranks too, not just the launcher (orphaned ranks of a
+    # hung run otherwise keep the cores and their DeepSpeed /dev/shm segments).
+    proc = subprocess.Popen(cmd, env=scenario_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, env=scenario_env(env), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        tail = (exc.stdout or b"")[-6000:]
-        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-        raise LaunchError(f"{module} timed out after {timeout:.0f}s on {nproc} rank(s)\n{tail}") from None
-    (out_dir / "launcher.log").write_text(proc.stdout)
+        stdout, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, _ = proc.communicate()
+        (out_dir / "launcher.log").write_text(stdout)
+        raise LaunchError(f"{module} timed out after {timeout:.0f}s on {nproc} rank(s)\n{stdout[-6000:]}") from None
+    (out_dir / "launcher.log").write_text(stdout)
     if proc.returncode != 0:
         raise LaunchError(f"{module} failed on {nproc} rank(s) (exit {proc.returncode}); last lines "
-                          f"of the ranks' output:\n" + "\n".join(proc.stdout.splitlines()[-60:]))
+                          f"of the ranks' output:\n" + "\n".join(stdout.splitlines()[-60:]))
     return [json.loads(p.read_text()) for p in sorted(out_dir.glob("**/rank*.json"))]

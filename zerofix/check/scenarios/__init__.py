@@ -15,6 +15,22 @@ def finish() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    _unlink_deepspeed_shm_buffer()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _unlink_deepspeed_shm_buffer() -> None:
+    """DeepSpeed's CPU comm op maps a 66 MiB /dev/shm segment per rank
+    (``deepspeed_allreduce_buffer_<addr>_<port>_<rank>``) and unlinks it only at interpreter teardown,
+    which ``os._exit`` skips: without this, every run leaked 132 MiB of RAM (21 GiB after a day's tests).
+    Called after the barrier, when no rank maps its peers' segments any more."""
+    import os
+
+    addr, port, rank = (os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK"))
+    if addr and port and rank:
+        try:
+            os.unlink(f"/dev/shm/deepspeed_allreduce_buffer_{addr}_{port}_{rank}")
+        except OSError:
+            pass

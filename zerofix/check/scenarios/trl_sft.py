@@ -1,0 +1,169 @@
+"""TRL ``SFTTrainer`` under ZeRO-3 (``accelerate launch``, ``zero3_init_flag: true``), on a tiny model loaded
+with ``from_pretrained`` from a local directory (``make_model_dir``), with TRL's chunked loss on the paths
+where DeepSpeed does not gather ``lm_head.weight`` for it.
+
+- ``--path r1``: ``eval_strategy="steps"`` + ``eval_on_start=True``; the evaluation calls the model outside
+  ``engine.forward`` (DeepSpeed < 0.16 gathers attribute reads only inside it).
+- ``--path r2``: a ``compute_loss`` override that runs the decoder (``model.model(...)``) and then the chunked
+  loss on ``lm_head.weight`` (``--loss-fn trl``: TRL's ``_chunked_cross_entropy_loss``; ``zerofix``:
+  ``zerofix.chunked_cross_entropy``); with ``--loss-type nll`` the override computes the full logits instead,
+  the reference.
+- ``--zerofix``: ``zerofix.patch()`` first, before TRL is imported (what the README's quick start does).
+
+Every rank writes ``rank{r}.json``: the Trainer's log history (train loss, grad norm, eval loss) or the error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import traceback
+from pathlib import Path
+
+VOCAB, SEQ, SAMPLES, CHUNK = 64, 16, 16, 8
+
+
+def make_model_dir(path: Path, *, tied: bool = False, seed: int = 0) -> Path:
+    """A tiny Llama and a word-level tokenizer saved with ``save_pretrained`` (nothing from a hub)."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(path)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")),
+                                        pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def dataset():
+    """Pre-tokenized sequences of different lengths; some with a masked prompt (completion_mask)."""
+    import torch
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(7)
+    rows = {"input_ids": [], "completion_mask": []}
+    for i in range(SAMPLES):
+        n = SEQ - (i % 4)
+        rows["input_ids"].append(torch.randint(3, VOCAB, (n,), generator=g).tolist())
+        prompt = 0 if i % 2 else n // 2
+        rows["completion_mask"].append([0] * prompt + [1] * (n - prompt))
+    return Dataset.from_dict(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--path", choices=("r1", "r2"), required=True)
+    parser.add_argument("--loss-type", choices=("chunked_nll", "nll"), required=True)
+    parser.add_argument("--loss-fn", choices=("trl", "zerofix"), default="trl")
+    parser.add_argument("--zerofix", action="store_true")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if args.zerofix:
+        import zerofix
+
+        zerofix.patch()
+    rank = int(os.environ.get("RANK", 0))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"rank": rank, "args": vars(args)}
+    try:
+        record.update(train(args))
+    except Exception as exc:  # noqa: BLE001 - a crash is the result the unpatched half asserts
+        record["error"] = f"{type(exc).__name__}: {exc}"
+        record["traceback"] = traceback.format_exc()[-4000:]
+    import zerofix
+
+    record["status"] = {r.id: r.state for r in zerofix.status()}
+    (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+    from zerofix.check.scenarios import finish
+
+    finish()
+
+
+def train(args) -> dict:
+    import torch.nn.functional as F
+    from trl import SFTConfig, SFTTrainer
+    from trl.trainer import sft_trainer
+
+    from accelerate import PartialState
+
+    PartialState(backend="gloo")  # accelerate >= 1.13 on CPU otherwise sees one process (DESIGN.md §5)
+    phase = {"now": "setup"}
+    config = SFTConfig(
+        output_dir=str(Path(args.out) / "trainer"), per_device_train_batch_size=2, per_device_eval_batch_size=2,
+        max_steps=args.steps, learning_rate=1e-2, lr_scheduler_type="constant", warmup_steps=0,
+        max_grad_norm=1e6, logging_steps=1,  # never clips, but logs the norm
+        report_to="none", save_strategy="no", seed=0,
+        dataloader_num_workers=0, disable_tqdm=True, bf16=False, use_cpu=True, ddp_backend="gloo",
+        loss_type="chunked_nll" if (args.path == "r1" and args.loss_type == "chunked_nll") else "nll",
+        eval_strategy="steps" if args.path == "r1" else "no", eval_steps=2, eval_on_start=args.path == "r1",
+        completion_only_loss=True, model_init_kwargs={"device_map": None},  # use_cpu would ask for "auto"
+    )
+    override = args.path == "r2"
+    chunked = args.loss_type == "chunked_nll"
+    loss_fn = args.loss_fn
+
+    class Trainer(SFTTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            phase["now"] = "train forward" if model.training else "eval forward"
+            if not override:
+                result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+                phase["now"] = "train backward" if model.training else "between steps"
+                return result
+            lm = model.module if hasattr(model, "module") else model
+            hidden = lm.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).last_hidden_state
+            labels = inputs["labels"]
+            if not chunked:
+                logits = lm.lm_head(hidden)[:, :-1].reshape(-1, VOCAB)
+                loss = F.cross_entropy(logits, labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+                loss = loss / num_items_in_batch
+            elif loss_fn == "trl":
+                loss = sft_trainer._chunked_cross_entropy_loss(
+                    hidden, lm.lm_head.weight, CHUNK, labels=labels, num_items_in_batch=num_items_in_batch,
+                    lm_head_bias=lm.lm_head.bias)[0]
+            else:
+                import zerofix
+
+                loss = zerofix.chunked_cross_entropy(hidden[:, :-1], lm.lm_head.weight, labels[:, 1:],
+                                                     lm.lm_head.bias, num_items_in_batch=num_items_in_batch,
+                                                     chunk_size=CHUNK)
+            phase["now"] = "train backward"
+            return (loss, None) if return_outputs else loss
+
+        def training_step(self, *a, **k):
+            result = super().training_step(*a, **k)
+            phase["now"] = "between steps"
+            return result
+
+    data = dataset()
+    trainer = Trainer(model=args.model_dir, args=config, train_dataset=data,
+                      eval_dataset=data.select(range(4)) if args.path == "r1" else None)
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    head = trainer.model.lm_head.weight
+    facts = {"zero3": is_deepspeed_zero3_enabled(), "head_numel_after_load": head.numel(),
+             "head_is_zero3_param": hasattr(head, "ds_id")}
+    try:
+        trainer.train()
+    except Exception as exc:
+        raise RuntimeError(f"in {phase['now']}: {type(exc).__name__}: {exc}") from exc
+    history = trainer.state.log_history
+    return {
+        "facts": facts,
+        "train_loss": [h["loss"] for h in history if "loss" in h],
+        "grad_norm": [h["grad_norm"] for h in history if "grad_norm" in h],
+        "eval_loss": [h["eval_loss"] for h in history if "eval_loss" in h],
+    }
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,63 @@
+"""trl-chunked-nll-zero3: ``SFTTrainer(loss_type="chunked_nll")`` under ZeRO-3, outside a gathering forward.
+
+TRL 1.4.0 - 1.5.1 compute the chunked loss in ``trl.trainer.sft_trainer._chunked_cross_entropy_loss``,
+which multiplies each chunk by ``lm_head.weight`` as it finds it. Under ZeRO-3 that parameter is a
+0-element shard unless DeepSpeed gathered it: it does inside ``engine.forward`` (DeepSpeed >= 0.16 gathers
+a parameter read by attribute there), but not in an evaluation step on DeepSpeed < 0.16, nor in a
+``compute_loss`` override that runs the decoder and then this loss. There it crashes with ``size
+mismatch, got input (..), mat (..), vec (0)``, the ``n_valid == 0`` fallback included. TRL 1.6.0 (#5873)
+gathers per chunk instead, which fails in backward outside the engine (TRL #6372) and hangs when ranks
+have different chunk counts (TRL #6696).
+
+The wrapper computes the same quantities with ``zerofix.losses`` (one gather of the head per forward and
+per backward, whatever the number of chunks): the loss, the argmax-correct count, the entropy sum and the
+number of counted tokens, with TRL's shift, ``-100`` masking, ``num_items_in_batch`` normalisation,
+``logit_scale`` and ``final_logit_softcapping``. The statistics are for logging and carry no gradient (TRL's
+entropy sum has one, but the Trainer only logs it).
+"""
+from __future__ import annotations
+
+import inspect
+
+FIX_ID = "trl-chunked-nll-zero3"
+TARGET = "_chunked_cross_entropy_loss"
+# The measured signature (1.4.0 and 1.5.1 are identical in this function).
+PARAMETERS = ["hidden_states", "lm_head_weight", "chunk_size", "labels", "shift_labels", "num_items_in_batch",
+              "logit_scale", "final_logit_softcapping", "lm_head_bias"]
+_signature = None
+
+
+def structural_check(targets) -> str | None:
+    global _signature
+    function = inspect.unwrap(targets[TARGET])
+    params = list(inspect.signature(function).parameters)
+    if params != PARAMETERS:
+        return f"trl.trainer.sft_trainer.{TARGET}{tuple(params)} is not the measured {tuple(PARAMETERS)}"
+    _signature = inspect.signature(function)
+    return None
+
+
+def chunked_cross_entropy_loss(wrapped, instance, args, kwargs):
+    bound = _signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if a["labels"] is None and a["shift_labels"] is None:
+        return wrapped(*args, **kwargs)  # TRL's own error message
+    from zerofix.losses import chunked_cross_entropy_with_stats
+
+    hidden = a["hidden_states"]
+    if a["shift_labels"] is not None:  # pre-shifted (context / sequence parallelism) wins, as in TRL
+        hidden, labels = hidden.reshape(-1, hidden.size(-1)), a["shift_labels"].reshape(-1)
+    else:
+        hidden, labels = hidden[..., :-1, :].reshape(-1, hidden.size(-1)), a["labels"][..., 1:].reshape(-1)
+    loss, stats = chunked_cross_entropy_with_stats(
+        hidden, a["lm_head_weight"], labels, a["lm_head_bias"], ignore_index=-100, reduction="mean",
+        num_items_in_batch=a["num_items_in_batch"], chunk_size=a["chunk_size"], logit_scale=a["logit_scale"],
+        logit_softcap=a["final_logit_softcapping"], out_dtype=_float32())
+    return loss, stats.num_correct.float(), stats.entropy_sum.float(), stats.num_valid
+
+
+def _float32():
+    import torch
+
+    return torch.float32
