@@ -141,7 +141,7 @@ def ds_config() -> dict:
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "overlap_comm": os.environ.get("ZF_OVERLAP", "1") == "1",
                               "stage3_prefetch_bucket_size": 0, "reduce_bucket_size": 2500,
                               "allgather_bucket_size": 2500},
         "zero_allow_untested_optimizer": True,
