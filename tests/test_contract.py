@@ -274,3 +274,30 @@ def test_two_fixes_on_one_attribute_layer_in_any_order(lib):
         zerofix.unpatch()
         assert vars(core.Engine)["step"] is raw
     """)
+
+
+def test_a_fix_waits_for_a_target_module_still_importing_the_other(tmp_path):
+    """fakelib.trainer imports fakelib.core half-way through its body (transformers.trainer importing
+    accelerate): core's hook fires while trainer is incomplete; the fix must wait for trainer's own hook,
+    not report it target-changed or failed on the way."""
+    lib = make_fakelib(tmp_path)
+    (lib / "fakelib" / "trainer.py").write_text("import fakelib.core\n\nclass Trainer:\n    def step(self, x):\n"
+                                                "        return x + 10\n")
+    proc = run_python(f"""
+        import sys
+        sys.path.insert(0, {str(lib)!r})
+        import zerofix
+        from zerofix import catalogue
+        from zerofix.catalogue import Fix, Target
+        catalogue.FIXES = (Fix(id="fake-fix", title="fake", dist="fakelib", affected=">=1.0",
+                               targets=(Target("fakelib.trainer", "Trainer.step", "step"),
+                                        Target("fakelib.core", "Engine.step", "step")),
+                               implementation="fakefix"),)
+        import zerofix.activation
+        zerofix.activation.autopatch()
+        import fakelib.trainer as t, fakelib.core as c
+        assert zerofix.status()[0].state == "applied", zerofix.status()
+        assert t.Trainer().step(1) == 22 and c.Engine().step(1) == 4
+    """, env={"ZEROFIX": "1", "ZEROFIX_LOG": "info"})
+    assert proc.stderr.count("fake-fix: applied") == 1, proc.stderr
+    assert "target-changed" not in proc.stderr and "failed" not in proc.stderr, proc.stderr

@@ -63,7 +63,7 @@ def rel(a, b):
 
 
 OPTIONS = [dict(zip(("reduction", "num_items_in_batch", "label_smoothing", "logit_softcap", "z_loss",
-                     "logit_scale", "chunk_size", "bias"), combo))
+                     "logit_scale", "chunk_size", "bias"), combo, strict=True))
            for combo in itertools.product(("mean", "sum", "none"), (None, 61), (0.0, 0.1), (None, 3.0),
                                           (0.0, 1e-2), (1.0, 0.5), (None, 7, 1, 64), (False, True))
            if not (combo[1] is not None and combo[0] != "mean")]
@@ -81,7 +81,7 @@ def test_parity_with_full_logits_float64_reference(opts):
         out, got = grads_of(chunked_cross_entropy, h, w, b, labels, chunk_size=chunk, **opts)
         assert out.dtype == dtype
         assert rel(out, ref) < bound, (dtype, "loss", rel(out, ref))
-        for name, g, r in zip(("hidden", "weight", "bias"), got, ref_grads):
+        for name, g, r in zip(("hidden", "weight", "bias"), got, ref_grads, strict=True):
             if r is not None:
                 assert rel(g, r) < bound, (dtype, name, rel(g, r))
 
@@ -155,7 +155,7 @@ def test_low_precision_inputs_accumulate_in_float32(dtype):
     # logits rounded to the input dtype once per chunk: a few ulps of bf16/fp16, nothing that grows with N
     bound = 2e-2 if dtype == torch.bfloat16 else 3e-3
     assert rel(out, refq) < bound
-    for g, r in zip(got, refq_grads):
+    for g, r in zip(got, refq_grads, strict=True):
         assert rel(g, r) < bound
     assert rel(out, ref) < 5 * bound  # and close to the unrounded problem
 
@@ -212,3 +212,14 @@ def test_bad_shapes_and_labels_name_the_fix():
         chunked_cross_entropy(h, w, bad)
     with pytest.raises(TypeError, match="integer class indices"):
         chunked_cross_entropy(h, w, labels.double())
+
+
+def test_gathered_is_a_no_op_for_ordinary_tensors_and_rejects_modules():
+    import zerofix
+
+    w = torch.ones(3, 2)
+    with zerofix.gathered(w, None, [w]):
+        assert w.shape == (3, 2)
+    with pytest.raises(TypeError, match="not the module itself"):
+        with zerofix.gathered(torch.nn.Linear(2, 3)):
+            pass

@@ -65,11 +65,11 @@ def sft(tmp_path, model_dir):
 
 
 def assert_same_training(got: list[dict], ref: list[dict]):
-    for g, r in zip(got, ref):
+    for g, r in zip(got, ref, strict=True):
         assert "error" not in g, g.get("traceback")
         for key in ("train_loss", "grad_norm", "eval_loss"):
             assert len(g[key]) == len(r[key]), key
-            for a, b in zip(g[key], r[key]):
+            for a, b in zip(g[key], r[key], strict=True):
                 assert abs(a - b) <= SAME * abs(b), (key, g[key], r[key])
         assert len(g["train_loss"]) == 3 and len(g["grad_norm"]) == 3
 

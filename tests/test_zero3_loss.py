@@ -29,7 +29,8 @@ def cell(mode, tied, bias, loss="zerofix", empty_rank1=False, chunk_size=3):
             "chunk_size": chunk_size, "loss": loss, "empty_rank1": empty_rank1}
 
 
-CELLS = [cell(m, t, b) for m in ("inside", "outside", "submodule") for t, b in ((False, True), (True, False))] + [
+CELLS = [dict(cell(m, t, b), api_check=(m, t) == ("outside", False))
+         for m in ("inside", "outside", "submodule") for t, b in ((False, True), (True, False))] + [
     cell("outside", False, False), cell("inside", True, True), cell("submodule", True, True, chunk_size=64),
     cell("outside", False, True, empty_rank1=True), cell("submodule", True, False, empty_rank1=True),
     cell("inside", False, True, empty_rank1=True),
@@ -107,3 +108,11 @@ def test_deepspeeds_own_lm_head_gathers_the_same_number_of_times(run):
     c = run["plain-outside-untied-bias"][0]
     assert max(reference_updates(init, snapshots, c, world=2)) < EXACT
     assert all(s["loss_forward"] == 1 and s["backward"] <= 1 for r in ranks for s in r["gathers"])
+
+
+def test_gathered_makes_a_partitioned_parameter_whole_once_and_releases_it(run):
+    _, ranks, _, _ = run["zerofix-outside-untied-bias"]
+    for r in ranks:
+        assert r["api"] == {"numel_before": 0, "shape_inside": [scenario.VOCAB, scenario.HIDDEN], "gathers_outer": 1,
+                            "gathers_nested": 0, "whole_after_nested": scenario.VOCAB * scenario.HIDDEN,
+                            "numel_after": 0, "status_after": "NOT_AVAILABLE"}

@@ -168,13 +168,21 @@ def patch(fixes=None, exclude=(), *, strict: bool | None = None) -> None:
                 "applies when " + " and ".join(fix.modules) + " is imported",
             )
             for module in fix.modules:
-                importhooks.when_imported(module, lambda _m, fix_id=fix.id: _on_import(fix_id))
+                importhooks.when_imported(module, lambda m, fix_id=fix.id: _on_import(fix_id, m.__name__))
 
 
-def _on_import(fix_id: str) -> None:
+def _on_import(fix_id: str, module: str | None = None) -> None:
+    """A target module finished importing: apply the fix once all its modules are complete. A module
+    still executing its body (``transformers.trainer`` importing ``accelerate``, whose hook fires first)
+    is not: its own hook fires when it is done."""
     fix = catalogue.by_id(fix_id)
-    if all(m in sys.modules for m in fix.modules):
+    if all(_complete(m) or m == module for m in fix.modules):
         apply(fix)
+
+
+def _complete(name: str) -> bool:
+    mod = sys.modules.get(name)
+    return mod is not None and not getattr(getattr(mod, "__spec__", None), "_initializing", False)
 
 
 def apply(fix: catalogue.Fix) -> Record:

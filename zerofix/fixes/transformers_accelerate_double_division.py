@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 
-from accelerate import Accelerator
+from accelerate.accelerator import Accelerator  # the defining submodule: the hook may fire while `accelerate` itself is half-imported
 
 from zerofix.fixes import _trainer_step
 

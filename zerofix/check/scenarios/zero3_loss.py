@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 VOCAB, HIDDEN, BATCH, SEQ, STEPS, LR = 40, 16, 2, 12, 2, 5.0
-COUNTS = {"loss_forward": 0, "backward": 0, "other": 0}
+COUNTS = {"loss_forward": 0, "backward": 0, "other": 0, "api": 0}
 _PHASE = ["other"]
 
 
@@ -141,7 +141,7 @@ def ds_config() -> dict:
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "overlap_comm": os.environ.get("ZF_OVERLAP", "1") == "1",
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                               "stage3_prefetch_bucket_size": 0, "reduce_bucket_size": 2500,
                               "allgather_bucket_size": 2500},
         "zero_allow_untested_optimizer": True,
@@ -163,6 +163,7 @@ def run_cell(cell: dict, init_state: dict, rank: int) -> dict:
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
                                       config=ds_config())
     count_head_gathers(engine.module)
+    api = gathered_api(engine.module) if cell.get("api_check") else None
     snapshots, gathers, losses = [], [], []
     for step in range(STEPS):
         for key in COUNTS:
@@ -180,7 +181,26 @@ def run_cell(cell: dict, init_state: dict, rank: int) -> dict:
             engine.step()
         gathers.append(dict(COUNTS))
         snapshots.append(full_parameters(engine))
-    return {"snapshots": snapshots, "gathers": gathers, "losses": losses}
+    return {"snapshots": snapshots, "gathers": gathers, "losses": losses, "api": api}
+
+
+def gathered_api(model) -> dict:
+    """``zerofix.gathered`` on its own: duplicates (by identity, also inside lists) gathered once, the
+    parameter whole inside and partitioned after, a nested block on a whole parameter a no-op."""
+    import zerofix
+
+    w, b = model.lm_head.weight, model.lm_head.bias
+    out = {"numel_before": w.numel()}
+    with phase("api"):
+        with zerofix.gathered(w, w, [w, b], None):
+            out["shape_inside"] = list(w.shape)
+            out["gathers_outer"] = COUNTS["api"]
+            with zerofix.gathered(w):
+                out["gathers_nested"] = COUNTS["api"] - out["gathers_outer"]
+            out["whole_after_nested"] = w.numel()
+    out["numel_after"] = w.numel()
+    out["status_after"] = w.ds_status.name
+    return out
 
 
 def main() -> None:
