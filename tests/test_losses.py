@@ -180,7 +180,7 @@ def test_no_grad_forward_matches():
 
 
 def test_default_chunk_size():
-    assert default_chunk_size(32000) == 256
+    assert default_chunk_size(32000) == 1024
     assert default_chunk_size(10) == 8192 and default_chunk_size(10**7) == 64
 
 
@@ -223,3 +223,16 @@ def test_gathered_is_a_no_op_for_ordinary_tensors_and_rejects_modules():
     with pytest.raises(TypeError, match="not the module itself"):
         with zerofix.gathered(torch.nn.Linear(2, 3)):
             pass
+
+
+@pytest.mark.parametrize("options", [dict(), dict(label_smoothing=0.1, z_loss=1e-2, logit_scale=0.5),
+                                     dict(reduction="none"), dict(logit_softcap=3.0)])
+def test_the_path_without_in_place_softmax_matches_too(monkeypatch, options):
+    """Off CPU the chunk uses max, exp and sum instead of the in-place softmax: same numbers."""
+    from zerofix import losses
+
+    h64, w64, b64, labels = make(bias=True)
+    ref, ref_grads = grads_of(reference, h64, w64, b64, labels, **options)
+    monkeypatch.setattr(losses, "_INPLACE_SOFTMAX_DEVICES", ())
+    out, got = grads_of(chunked_cross_entropy, *make(bias=True), chunk_size=7, **options)
+    assert rel(out, ref) < 1e-12 and all(rel(g, r) < 1e-12 for g, r in zip(got, ref_grads, strict=True))

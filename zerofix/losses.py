@@ -31,13 +31,20 @@ from zerofix import zero3
 __all__ = ["chunked_cross_entropy", "default_chunk_size", "ChunkedStats"]
 
 _REDUCTIONS = ("mean", "sum", "none")
-# One chunk's float32 logits block is kept near this size: large enough for efficient matmuls, small
-# enough that it stays a fraction of the full logits (measured in benchmarks/bench_chunked_ce.py).
-_CHUNK_BYTES = 32 * 2**20
+# One chunk's float32 logits block is kept near this size: large enough that the per-chunk accumulation
+# into the weight gradient stays cheap, small enough to stay a fraction of the full logits.
+_CHUNK_BYTES = 128 * 2**20
+# Devices whose softmax kernel may write in place (measured on CPU only; elsewhere max, exp and sum).
+_INPLACE_SOFTMAX_DEVICES = ("cpu",)
 
 
 def default_chunk_size(vocab_size: int) -> int:
-    """Rows per chunk: a power of two with ``rows x vocab_size`` float32 logits near 32 MiB (64..8192)."""
+    """Rows per chunk: a power of two with ``rows x vocab_size`` float32 logits near 128 MiB (64..8192).
+
+    Smaller chunks re-read and re-write the ``V x H`` weight gradient more often (one accumulation per
+    chunk), which costs more time than the chunk's own block saves memory below this size (measured in
+    ``benchmarks/bench_chunked_ce.py``).
+    """
     rows = max(1, _CHUNK_BYTES // (4 * max(1, vocab_size)))
     return int(min(8192, max(64, 2 ** int(math.log2(rows)))))
 
@@ -66,9 +73,13 @@ class _Options:
         self.acc = acc  # accumulation dtype: float32, or float64 for float64 inputs
 
 
-def _chunk_logits(h, weight, bias, opt):
-    """Logits of one chunk in the accumulation dtype and, with a softcap, the tanh needed for its derivative."""
-    z = (h @ weight.t()).to(opt.acc)
+def _chunk_logits(h, weight, bias, opt, buf):
+    """Logits of one chunk in the accumulation dtype and, with a softcap, the tanh needed for its derivative.
+    ``buf`` (rows x V, reused by every chunk) saves a fresh allocation, and its page faults, per chunk."""
+    if buf is not None:
+        z = torch.matmul(h, weight.t(), out=buf[: h.shape[0]])
+    else:
+        z = (h @ weight.t()).to(opt.acc)
     if bias is not None:
         z += bias.to(opt.acc)
     if opt.logit_scale != 1.0:
@@ -76,36 +87,68 @@ def _chunk_logits(h, weight, bias, opt):
     t = None
     if opt.logit_softcap is not None:
         t = torch.tanh(z / opt.logit_softcap)
-        z = t * opt.logit_softcap
+        z = torch.mul(t, opt.logit_softcap, out=z)
     return z, t
 
 
-def _chunk_loss_and_dlogits(z, t, y, opt, row_weight, want_grad):
-    """Per-token loss of one chunk; with ``want_grad`` also d(sum_i w_i loss_i)/d(raw logits), in place of z."""
+def _chunk_loss_and_dlogits(z, t, y, opt, row_weight, want_grad, fold):
+    """Per-token loss of one chunk; with ``want_grad`` also d(sum_i w_i loss_i)/d(raw logits), in place of z.
+
+    Written for few passes over the ``rows x V`` block (memory bandwidth, not the matmuls, is what a chunk
+    adds): max, exp in place, sum; the row scaling is left to the matmuls where possible (``_Folded``).
+    """
     vocab = z.shape[-1]
     eps = opt.label_smoothing
-    lse = torch.logsumexp(z, dim=-1)
     z_y = z.gather(1, y[:, None]).squeeze(1)
+    z_mean = z.mean(dim=-1) if eps else None
+    if z.device.type in _INPLACE_SOFTMAX_DEVICES:
+        # ATen's CPU softmax works row by row (each row stays in cache), so it can write in place: two
+        # passes over the block where max, exp and sum take four (measured 0.07 s against 0.23 s for the
+        # 8 chunks of 1024 x 32000). lse from the row maximum, whose probability is >= 1/V: no underflow.
+        m, top = z.max(dim=-1, keepdim=True)
+        e = torch.ops.aten._softmax.out(z, -1, False, out=z)
+        lse = m.squeeze(1) - e.gather(1, top).squeeze(1).log()
+        total = None
+    else:
+        m = z.amax(dim=-1, keepdim=True)
+        e = z.sub_(m).exp_()  # exp(z - max), in place of the logits
+        total = e.sum(dim=-1)
+        lse = total.log() + m.squeeze(1)
     loss = (1.0 - eps) * (lse - z_y)
     if eps:
-        loss += eps * (lse - z.mean(dim=-1))
+        loss += eps * (lse - z_mean)
     if opt.z_loss:
         loss += opt.z_loss * lse * lse
     if not want_grad:
-        return loss, lse, None
-    # d loss_i / d z_ij = p_ij (1 + 2 zl lse_i) - (1 - eps) [j == y_i] - eps / V
-    d = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+        return loss, None
+    # d loss_i / d z_ij = p_ij (1 + 2 zl lse_i) - (1 - eps) [j == y_i] - eps / V, times the row weight and
+    # d z / d raw = logit_scale (1 - tanh^2):  factor_i e_ij + c_i [j == y_i] + u_i, times (1 - tanh^2).
+    w = row_weight * opt.logit_scale
+    factor = w if total is None else w / total
     if opt.z_loss:
-        d *= (1.0 + 2.0 * opt.z_loss * lse)[:, None]
-    if eps:
-        d -= eps / vocab
-    d.scatter_add_(1, y[:, None], torch.full_like(lse, -(1.0 - eps))[:, None])
-    if t is not None:  # softcap: z = c tanh(raw / c)  =>  dz/draw = 1 - tanh^2
+        factor = factor * (1.0 + 2.0 * opt.z_loss * lse)
+    c = -(1.0 - eps) * w
+    u = w * (-eps / vocab) if eps else None
+    if t is None and fold:
+        return loss, _Folded(e, factor, c, u)  # the matmuls apply the row terms: no pass over the block
+    d = e.mul_(factor[:, None])
+    if u is not None:
+        d += u[:, None]
+    d.scatter_add_(1, y[:, None], c[:, None])
+    if t is not None:
         d *= 1.0 - t * t
-    if opt.logit_scale != 1.0:
-        d *= opt.logit_scale
-    d *= row_weight[:, None]
-    return loss, lse, d
+    return loss, d
+
+
+class _Folded:
+    """d = factor[:, None] * e + c * onehot(y) + u[:, None], kept factored: ``e @ W`` and ``e.T @ h`` are
+    scaled by row, and the one-hot and uniform terms are added as gathers and rank-1 terms, so the
+    ``rows x V`` block is never scaled in place (one pass of memory traffic fewer per chunk)."""
+
+    __slots__ = ("e", "factor", "c", "u")
+
+    def __init__(self, e, factor, c, u):
+        self.e, self.factor, self.c, self.u = e, factor, c, u
 
 
 def _chunk_stats(z, y, lse):
@@ -128,26 +171,60 @@ def _forward_pass(h, weight, bias, y, opt, row_weights, want_grads):
     want_h, want_w, want_b = want_grads
     want_any = want_h or want_w or want_b
     grad_h = torch.empty_like(h) if want_h else None
+    rows = min(n, opt.chunk_size)
+    buf = torch.empty((rows, weight.shape[0]), dtype=acc, device=h.device) if weight.dtype == acc and rows else None
     grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device) if want_w else None
     grad_b = torch.zeros(weight.shape[0], dtype=acc, device=h.device) if want_b else None
     correct = torch.zeros((), dtype=torch.long, device=h.device)
     entropy = torch.zeros((), dtype=acc, device=h.device)
+    u_h = None  # sum over rows of u_i h_i (the uniform label-smoothing term), added to every row of dW once
     for s, e in _chunks(n, opt.chunk_size):
         hc, yc = h[s:e], y[s:e]
-        z, t = _chunk_logits(hc, weight, bias, opt)
+        z, t = _chunk_logits(hc, weight, bias, opt, buf)
         if opt.stats:
             c, ent = _chunk_stats(z, yc, torch.logsumexp(z, dim=-1))
             correct += c
             entropy += ent
-        loss, _, d = _chunk_loss_and_dlogits(z, t, yc, opt, row_weights[s:e] if want_any else None, want_any)
+        loss, d = _chunk_loss_and_dlogits(z, t, yc, opt, row_weights[s:e] if want_any else None, want_any,
+                                          buf is not None)
         losses[s:e] = loss
+        if isinstance(d, _Folded):
+            u_h = _apply_folded(d, hc, yc, weight, grad_h[s:e] if want_h else None, grad_w, grad_b, u_h)
+            continue
         if want_h:
-            grad_h[s:e] = d.to(weight.dtype) @ weight
+            if d.dtype == grad_h.dtype:
+                torch.matmul(d, weight, out=grad_h[s:e])
+            else:
+                grad_h[s:e] = d.to(weight.dtype) @ weight
         if want_w:
             grad_w.addmm_(d.t(), hc.to(acc))
         if want_b:
             grad_b += d.sum(dim=0)
+    if u_h is not None:
+        if grad_w is not None:
+            grad_w += u_h[0][None, :]
+        if grad_b is not None:
+            grad_b += u_h[1]
     return losses, (grad_h, grad_w, grad_b), (correct, entropy)
+
+
+def _apply_folded(f, hc, yc, weight, grad_h, grad_w, grad_b, u_h):
+    """Gradients of one chunk from a factored ``d`` (see ``_Folded``); returns the running uniform term."""
+    if grad_h is not None:
+        torch.matmul(f.e, weight, out=grad_h)
+        grad_h.mul_(f.factor[:, None]).add_(weight[yc] * f.c[:, None])
+        if f.u is not None:
+            grad_h.add_(f.u[:, None] * weight.sum(dim=0)[None, :])
+    if grad_w is not None:
+        grad_w.addmm_(f.e.t(), hc * f.factor[:, None])
+        grad_w.index_add_(0, yc, hc * f.c[:, None])
+    if grad_b is not None:
+        grad_b.addmv_(f.e.t(), f.factor)
+        grad_b.index_add_(0, yc, f.c)
+    if f.u is not None:
+        term = (f.u @ hc, f.u.sum())
+        u_h = term if u_h is None else (u_h[0] + term[0], u_h[1] + term[1])
+    return u_h
 
 
 class _ZeRO3Hold:
@@ -329,7 +406,7 @@ def chunked_cross_entropy(hidden, weight, labels, bias=None, *, ignore_index: in
       ``"none"`` (per position, 0 at ignored positions).
     - ``num_items_in_batch``: the Trainer's normalisation, sum of this micro-batch's token losses divided
       by this count (the counted tokens of the whole accumulation window, across ranks). ``"mean"`` only.
-    - ``chunk_size``: rows per chunk (default: ``default_chunk_size(V)``, about 32 MiB of float32 logits).
+    - ``chunk_size``: rows per chunk (default: ``default_chunk_size(V)``, about 128 MiB of float32 logits).
     - Works with ZeRO-3 partitioned ``weight``/``bias``, inside or outside ``engine.forward``: each is
       gathered at most once in forward and once in backward, whatever the number of chunks. Every rank must
       call it the same number of times (a gather is a collective), which any data-parallel loop does.
