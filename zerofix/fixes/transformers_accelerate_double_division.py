@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import inspect
 
-from accelerate.accelerator import Accelerator  # the defining submodule: the hook may fire while `accelerate` itself is half-imported
+# The defining submodule: the hook may fire while the `accelerate` package itself is still half-imported.
+from accelerate.accelerator import Accelerator
 
 from zerofix.fixes import _trainer_step
 
