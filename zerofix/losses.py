@@ -178,6 +178,7 @@ def _forward_pass(h, weight, bias, y, opt, row_weights, want_grads):
     correct = torch.zeros((), dtype=torch.long, device=h.device)
     entropy = torch.zeros((), dtype=acc, device=h.device)
     u_h = None  # sum over rows of u_i h_i (the uniform label-smoothing term), added to every row of dW once
+    w_sum = None  # sum of the weight's rows, for that term's share of dh
     for s, e in _chunks(n, opt.chunk_size):
         hc, yc = h[s:e], y[s:e]
         z, t = _chunk_logits(hc, weight, bias, opt, buf)
@@ -189,7 +190,9 @@ def _forward_pass(h, weight, bias, y, opt, row_weights, want_grads):
                                           buf is not None)
         losses[s:e] = loss
         if isinstance(d, _Folded):
-            u_h = _apply_folded(d, hc, yc, weight, grad_h[s:e] if want_h else None, grad_w, grad_b, u_h)
+            if d.u is not None and want_h and w_sum is None:
+                w_sum = weight.sum(dim=0)  # once per pass, not per chunk
+            u_h = _apply_folded(d, hc, yc, weight, w_sum, grad_h[s:e] if want_h else None, grad_w, grad_b, u_h)
             continue
         if want_h:
             if d.dtype == grad_h.dtype:
@@ -208,13 +211,13 @@ def _forward_pass(h, weight, bias, y, opt, row_weights, want_grads):
     return losses, (grad_h, grad_w, grad_b), (correct, entropy)
 
 
-def _apply_folded(f, hc, yc, weight, grad_h, grad_w, grad_b, u_h):
+def _apply_folded(f, hc, yc, weight, w_sum, grad_h, grad_w, grad_b, u_h):
     """Gradients of one chunk from a factored ``d`` (see ``_Folded``); returns the running uniform term."""
     if grad_h is not None:
         torch.matmul(f.e, weight, out=grad_h)
         grad_h.mul_(f.factor[:, None]).add_(weight[yc] * f.c[:, None])
         if f.u is not None:
-            grad_h.add_(f.u[:, None] * weight.sum(dim=0)[None, :])
+            grad_h.add_(f.u[:, None] * w_sum[None, :])
     if grad_w is not None:
         grad_w.addmm_(f.e.t(), hc * f.factor[:, None])
         grad_w.index_add_(0, yc, hc * f.c[:, None])
