@@ -61,7 +61,7 @@ def gather(*params) -> list:
         # One parameter per call elsewhere: for several parameters DeepSpeed 0.15.4 - 0.18.9 start
         # one async all-gather each and wait for the last one only (0.19.8 no longer does), enough on a CUDA stream but
         # not with gloo on CPU, where the others may still be writing when the call returns. Measured on
-        # 0.18.9: a head with a bias, gathered together, gave garbage updates in about 1 step in 10.
+        # 0.18.9: a head with a bias, gathered together, gave garbage updates in 1-2 of 12-17 cells a run.
         for p in todo:
             p.all_gather(param_list=[p])
     return todo

@@ -43,6 +43,8 @@ def chunked_cross_entropy_loss(wrapped, instance, args, kwargs):
     a = bound.arguments
     if a["labels"] is None and a["shift_labels"] is None:
         return wrapped(*args, **kwargs)  # TRL's own error message
+    import torch
+
     from zerofix.losses import chunked_cross_entropy_with_stats
 
     hidden = a["hidden_states"]
@@ -53,11 +55,5 @@ def chunked_cross_entropy_loss(wrapped, instance, args, kwargs):
     loss, stats = chunked_cross_entropy_with_stats(
         hidden, a["lm_head_weight"], labels, a["lm_head_bias"], ignore_index=-100, reduction="mean",
         num_items_in_batch=a["num_items_in_batch"], chunk_size=a["chunk_size"], logit_scale=a["logit_scale"],
-        logit_softcap=a["final_logit_softcapping"], out_dtype=_float32())
+        logit_softcap=a["final_logit_softcapping"], out_dtype=torch.float32)
     return loss, stats.num_correct.float(), stats.entropy_sum.float(), stats.num_valid
-
-
-def _float32():
-    import torch
-
-    return torch.float32
