@@ -43,17 +43,10 @@ def reference_updates(init: dict, snapshots: list[dict], c: dict, world: int) ->
     """Per step: relative error of the run's update against the float64 update from the same weights."""
     errors, before = [], init
     for step, after in enumerate(snapshots):
-        model = scenario.HeadModel(c).double()
-        model.load_state_dict({k: v.double() for k, v in before.items()}, strict=False)
-        # What was loaded (a tied head takes lm_head.weight, loaded last, exactly as in the run).
-        start = {name: p.detach().clone() for name, p in model.named_parameters()}
-        # DeepSpeed averages the ranks' gradients: the objective is the mean of the per-rank losses.
-        total = sum(scenario.per_rank_loss(model.lm_head(model.decoder(ids)), labels)
-                    for ids, labels in (scenario.batch(step, r, c) for r in range(world))) / world
-        total.backward()
+        start, ref = scenario.reference_step(before, step, c, world)
         num = den = 0.0
-        for name, p in model.named_parameters():
-            ref_update = -scenario.LR * p.grad
+        for name in ref:
+            ref_update = ref[name] - start[name]
             run_update = after[name].double() - start[name]
             num += float((run_update - ref_update).norm() ** 2)
             den += float(ref_update.norm() ** 2)

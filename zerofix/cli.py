@@ -1,4 +1,4 @@
-"""``zerofix status | run | catalogue`` (also ``python -m zerofix``)."""
+"""``zerofix check | status | run | catalogue`` (also ``python -m zerofix``)."""
 from __future__ import annotations
 
 import argparse
@@ -102,6 +102,11 @@ def _run(args, parser) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zerofix", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("check", help="prove on the installed libraries that training steps are correct: tiny "
+                                     "real runs, unpatched and patched, against a single-process reference")
+    from zerofix.check.command import add_arguments  # argparse only: no ML library imported
+
+    add_arguments(p)
     p = sub.add_parser("status", help="what each fix does on the installed libraries")
     p.add_argument("--json", action="store_true", help="machine-readable records")
     p.add_argument("--apply", action="store_true",
@@ -116,9 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def sub_parser(parser, name):
+    """The subcommand's parser, whose error() prints its own usage (exit 2)."""
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.cmd == "check":
+        from zerofix.check import command
+
+        return command.main(args, sub_parser(parser, "check"))
     if args.cmd == "status":
         return _status(args)
     if args.cmd == "catalogue":

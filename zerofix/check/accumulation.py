@@ -36,6 +36,8 @@ class Cell(NamedTuple):
     resume: bool = False  # save a checkpoint after the first window, load it into a fresh engine
     logits: bool = False  # the model returns its logits next to the loss (loss only by default)
     scale_wrt_gas: bool = True  # False: the loop divides by GAS and passes scale_wrt_gas=False
+    windows: int = 2  # how many windows (styles a-e)
+    repeat: bool = False  # every window trains on the first window's samples (a loss curve that can fall)
 
     @property
     def name(self) -> str:
@@ -43,7 +45,10 @@ class Cell(NamedTuple):
         resume = "-resume" if self.resume else ""
         logits = "-logits" if self.logits else ""
         scaled = "" if self.scale_wrt_gas else "-selfscaled"
-        return f"z{self.stage}{overlap}-gas{self.gas}-{self.style}-{self.optimizer}{resume}{logits}{scaled}"
+        windows = "" if self.windows == 2 else f"-w{self.windows}"
+        repeat = "-repeat" if self.repeat else ""
+        return (f"z{self.stage}{overlap}-gas{self.gas}-{self.style}-{self.optimizer}{resume}{logits}{scaled}"
+                f"{windows}{repeat}")
 
     @property
     def clip(self) -> float:
@@ -57,13 +62,14 @@ MICRO_BATCH = 2  # samples per rank per micro-step
 def window_lengths(cell: Cell) -> list[int]:
     if cell.style == "short":
         return [4, 4, 2]
-    return [3, 3] if cell.style == "d" else [4, 4]
+    return [3 if cell.style == "d" else 4] * cell.windows
 
 
 def ops(cell: Cell) -> list[tuple]:
     """("backward", micro_step, loss_divisor, explicit_boundary or None) and ("step", window_done)."""
     out, m = [], 0
     for length in window_lengths(cell):
+        m = 0 if cell.repeat else m
         divisor = (length if cell.gas == 1 and cell.style != "b" else 1) * (1 if cell.scale_wrt_gas else cell.gas)
         for i in range(length):
             explicit = (i == length - 1) if cell.style == "c" else None
@@ -84,6 +90,7 @@ def updates(cell: Cell, semantics: str = CORRECT) -> list[list[list[tuple[int, f
     more than meant)."""
     result, m = [], 0
     for length in window_lengths(cell):
+        m = 0 if cell.repeat else m
         steps = list(range(m, m + length))
         m += length
         if semantics == NOOP:

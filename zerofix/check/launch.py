@@ -10,7 +10,11 @@ from pathlib import Path
 
 
 class LaunchError(RuntimeError):
-    pass
+    """A launch that failed or timed out; ``tail``: the last lines of the failing rank's own output."""
+
+    def __init__(self, message: str, tail: str = ""):
+        super().__init__(message)
+        self.tail = tail or "\n".join(message.splitlines()[-12:])
 
 
 def scenario_env(extra: dict | None = None) -> dict:
@@ -37,8 +41,10 @@ def torchrun(module: str, args: list[str], *, nproc: int, out_dir: Path, timeout
     interpreter (e.g. ``zerofix run --``)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [*launcher_prefix, python, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", str(nproc), "-m", module, *args, "--out", str(out_dir)]
+    # --tee: every rank's output also goes to <out>/logs/.../<local rank>/std{out,err}.log, so a failure
+    # can show the failing rank's last lines rather than the interleaved output of all of them.
+    cmd = [*launcher_prefix, python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "--log-dir", str(out_dir / "logs"), "--tee", "3", "-m", module, *args, "--out", str(out_dir)]
     return _launch(cmd, module, nproc=nproc, out_dir=out_dir, timeout=timeout, env=env)
 
 
@@ -69,9 +75,26 @@ def _launch(cmd, module, *, nproc, out_dir, timeout, env):
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, _ = proc.communicate()
         (out_dir / "launcher.log").write_text(stdout)
-        raise LaunchError(f"{module} timed out after {timeout:.0f}s on {nproc} rank(s)\n{stdout[-6000:]}") from None
+        raise LaunchError(f"{module} timed out after {timeout:.0f}s on {nproc} rank(s)\n{stdout[-6000:]}",
+                          tail=f"timed out after {timeout:.0f} s; last lines:\n"
+                          + failing_rank_tail(stdout, out_dir)) from None
     (out_dir / "launcher.log").write_text(stdout)
     if proc.returncode != 0:
         raise LaunchError(f"{module} failed on {nproc} rank(s) (exit {proc.returncode}); last lines "
-                          f"of the ranks' output:\n" + "\n".join(stdout.splitlines()[-60:]))
+                          f"of the ranks' output:\n" + "\n".join(stdout.splitlines()[-60:]),
+                          tail=failing_rank_tail(stdout, out_dir))
     return [json.loads(p.read_text()) for p in sorted(out_dir.glob("**/rank*.json"))]
+
+
+def failing_rank_tail(output: str, out_dir: Path, lines: int = 12) -> str:
+    """The last lines of the first failing rank's stderr (torchrun's "Root Cause" names it; its log is under
+    ``<out>/logs``), prefixed with the rank; the launcher's last lines when there is no such log."""
+    import re
+
+    cause = output.split("Root Cause", 1)[-1] if "Root Cause" in output else ""
+    found = re.search(r"local_rank:\s*(\d+)", cause)
+    logs = sorted(Path(out_dir, "logs").glob(f"*/attempt_*/{found.group(1)}/stderr.log")) if found else []
+    if logs:
+        text = [line for line in logs[-1].read_text(errors="replace").splitlines() if line.strip()]
+        return f"rank {found.group(1)}:\n" + "\n".join(text[-lines:])
+    return "\n".join(output.splitlines()[-lines:])

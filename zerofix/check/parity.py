@@ -28,7 +28,7 @@ def trainer_cells(out_dir, cells, *, nproc: int = 1, zero_stage: int | None = No
     """Several Trainer cells (dicts: name, model, gas, samples, average_tokens, lr) in one torchrun job, with
     or without DeepSpeed: {cell name: {variant: comparison + rank_status}}."""
     out_dir = Path(out_dir)
-    records = _launch_cells(TRAINER_GAS, out_dir, cells, nproc=nproc, zero_stage=zero_stage, lr=lr,
+    records = launch_cells(TRAINER_GAS, out_dir, cells, nproc=nproc, zero_stage=zero_stage, lr=lr,
                             zerofix=zerofix, env=env, python=python, timeout=timeout)
     results = {}
     for cell in cells:
@@ -50,7 +50,7 @@ def accelerate_cells(out_dir, cells, *, nproc: int = 1, zero_stage: int | None =
     {cell name: {variant: comparison + rank_status + left_over}}. The loss meant is the mean of the
     micro-batch means of a window (each micro-batch's loss is its own mean, accelerate divides)."""
     out_dir = Path(out_dir)
-    records = _launch_cells(ACCELERATE_LOOP, out_dir, cells, nproc=nproc, zero_stage=zero_stage, lr=lr,
+    records = launch_cells(ACCELERATE_LOOP, out_dir, cells, nproc=nproc, zero_stage=zero_stage, lr=lr,
                             zerofix=zerofix, env=env, python=python, timeout=timeout)
     results = {}
     for cell in cells:
@@ -62,7 +62,7 @@ def accelerate_cells(out_dir, cells, *, nproc: int = 1, zero_stage: int | None =
     return results
 
 
-def _launch_cells(module: str, out_dir: Path, cells, *, nproc, zero_stage, lr, zerofix, env, python,
+def launch_cells(module: str, out_dir: Path, cells, *, nproc, zero_stage, lr, zerofix, env, python,
                   timeout) -> list[dict]:
     """One torchrun job running every cell of ``cells`` (written to ``cells.json``) per variant."""
     import json

@@ -34,24 +34,35 @@ def reference_state(kind: str, init_state: dict, windows, *, loss_mode: str, opt
     optimizer = optimizer_factory(model.parameters())
     for window in windows:
         optimizer.zero_grad(set_to_none=True)
-        sums, counts = zip(*(models.token_loss_sum(model, models.collate(mb, seed)) for mb in window))
-        kept = range(len(window))
-        if last_of_each:
-            per_rank = len(window) // last_of_each
-            kept = [(r + 1) * per_rank - 1 for r in range(last_of_each)]
-        if loss_mode == "token-mean":
-            loss = torch.stack([sums[i] for i in kept]).sum() / sum(counts)
-        elif loss_mode == "rank-token-mean":
-            if last_of_each or len(window) % ranks:
-                raise ValueError("rank-token-mean needs whole rank slices and no last_of_each")
-            per_rank = len(window) // ranks
-            slices = [range(r * per_rank, (r + 1) * per_rank) for r in range(ranks)]
-            loss = torch.stack([sum(sums[i] for i in sl) / sum(counts[i] for i in sl) for sl in slices]).mean()
-        else:
-            loss = torch.stack([sums[i] / counts[i] for i in kept]).sum() / len(window)
-        loss.backward()
+        _objective(model, window, loss_mode, last_of_each=last_of_each, ranks=ranks, seed=seed).backward()
         optimizer.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _objective(model, window, loss_mode: str, *, last_of_each: int = 0, ranks: int = 1, seed: int = 0):
+    """The loss the user means over one window (see the module docstring)."""
+    sums, counts = zip(*(models.token_loss_sum(model, models.collate(mb, seed)) for mb in window))
+    kept = range(len(window))
+    if last_of_each:
+        per_rank = len(window) // last_of_each
+        kept = [(r + 1) * per_rank - 1 for r in range(last_of_each)]
+    if loss_mode == "token-mean":
+        return torch.stack([sums[i] for i in kept]).sum() / sum(counts)
+    if loss_mode == "rank-token-mean":
+        if last_of_each or len(window) % ranks:
+            raise ValueError("rank-token-mean needs whole rank slices and no last_of_each")
+        per_rank = len(window) // ranks
+        slices = [range(r * per_rank, (r + 1) * per_rank) for r in range(ranks)]
+        return torch.stack([sum(sums[i] for i in sl) / sum(counts[i] for i in sl) for sl in slices]).mean()
+    return torch.stack([sums[i] / counts[i] for i in kept]).sum() / len(window)
+
+
+def window_loss(kind: str, state: dict, window, *, loss_mode: str, ranks: int = 1, seed: int = 0) -> float:
+    """The value of that loss for the weights ``state`` (float64, no step): a point of a loss curve."""
+    model = models.build_model(kind, seed).double()
+    model.load_state_dict({k: v.double() for k, v in state.items()})
+    with torch.no_grad():
+        return float(_objective(model, window, loss_mode, ranks=ranks, seed=seed))
 
 
 def compare(init: dict, measured: dict, reference: dict) -> dict:
@@ -92,8 +103,6 @@ def reference_windows(init_state: dict, windows, *, world: int, optimizer_factor
     ``windows``: per window, its updates; per update, ``(micro_step, weight)`` pairs. An update's
     gradient is the rank average of sum(weight * grad(mean loss of the rank's micro-batch)), clipped
     like DeepSpeed does (``g * clip / (norm + 1e-6)`` when that factor is below 1)."""
-    from zerofix.check.accumulation import sample_indices
-
     model = models.build_model(kind, seed).double()
     model.load_state_dict({k: v.double() for k, v in init_state.items()})
     model.train()
@@ -102,14 +111,7 @@ def reference_windows(init_state: dict, windows, *, world: int, optimizer_factor
     for window in windows:
         for update in window:
             optimizer.zero_grad(set_to_none=True)
-            loss = 0.0
-            for micro_step, weight in update:
-                for rank in range(world):
-                    batch = models.collate(sample_indices(micro_step, rank, world), seed)
-                    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-                    logits = out["logits"] if isinstance(out, dict) else out.logits
-                    loss = loss + weight / world * models.next_token_ce(logits, batch["labels"], "mean")
-            loss.backward()
+            _raw_objective(model, update, world, seed).backward()
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
             norms.append(norm)
@@ -119,6 +121,28 @@ def reference_windows(init_state: dict, windows, *, world: int, optimizer_factor
             optimizer.step()
         states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
     return states, norms
+
+
+def _raw_objective(model, update, world: int, seed: int = 0):
+    """sum(weight * mean loss of the micro-step's batch), averaged over the ranks' batches."""
+    from zerofix.check.accumulation import sample_indices
+
+    loss = 0.0
+    for micro_step, weight in update:
+        for rank in range(world):
+            batch = models.collate(sample_indices(micro_step, rank, world), seed)
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            logits = out["logits"] if isinstance(out, dict) else out.logits
+            loss = loss + weight / world * models.next_token_ce(logits, batch["labels"], "mean")
+    return loss
+
+
+def raw_update_loss(state: dict, update, *, world: int, kind: str = "custom", seed: int = 0) -> float:
+    """The value of a raw-loop update's objective for the weights ``state`` (float64, no step)."""
+    model = models.build_model(kind, seed).double()
+    model.load_state_dict({k: v.double() for k, v in state.items()})
+    with torch.no_grad():
+        return float(_raw_objective(model, update, world, seed))
 
 
 # Shared by the runs and the reference. AdamW's eps is small on purpose: its update g / (|g| + eps)

@@ -21,7 +21,7 @@ BATCH = 2
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--cells", required=True, help="JSON file: a list of {name, model, gas, samples}")
+    p.add_argument("--cells", required=True, help="JSON file: a list of {name, model, gas, samples[, epochs]}")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None)
     p.add_argument("--lr", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
@@ -67,7 +67,7 @@ def train(args, cell: dict, variant: str, out: Path, world: int, rank: int) -> N
     vdir = out / variant
     vdir.mkdir(parents=True, exist_ok=True)
     windows, current, steps = [], [], 0
-    for batch in loader:
+    for batch in (b for _ in range(cell.get("epochs", 1)) for b in loader):
         with accelerator.accumulate(wrapped):
             current.append([int(i) for i in batch.pop("sample_idx")])
             output = wrapped(**batch)

@@ -23,6 +23,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--bs", type=int, default=2)
     p.add_argument("--samples", type=int, default=0, help="dataset size (default: exactly --steps windows)")
+    p.add_argument("--epochs", type=int, default=1, help="passes over a --samples dataset")
     p.add_argument("--lr", type=float, default=5.0,
                    help="large, so the update dominates the fp32 rounding of weights near 1.0 (norms)")
     p.add_argument("--seed", type=int, default=0)
@@ -32,8 +33,8 @@ def parse_args(argv=None):
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                    help="train through DeepSpeed with this ZeRO stage (default: no DeepSpeed)")
     p.add_argument("--cells", default=None,
-                   help="JSON file: a list of cells, each {name, model, gas, samples, average_tokens, lr}; every "
-                   "cell is trained per variant in this one job (results under <out>/<name>/)")
+                   help="JSON file: a list of cells, each {name, model, gas, samples, epochs, average_tokens, lr}; "
+                   "every cell is trained per variant in this one job (results under <out>/<name>/)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -43,6 +44,7 @@ def cell_args(args, cell: dict):
     cell_args = argparse.Namespace(**vars(args))
     cell_args.model, cell_args.gas = cell["model"], cell["gas"]
     cell_args.samples = cell.get("samples", 0)
+    cell_args.epochs = cell.get("epochs", 1)
     cell_args.no_average_tokens = not cell.get("average_tokens", True)
     cell_args.lr = cell.get("lr", args.lr)
     return cell_args
@@ -119,7 +121,7 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
     training_args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="zerofix-trainer-"), per_device_train_batch_size=args.bs,
         gradient_accumulation_steps=args.gas, max_steps=args.steps if not args.samples else -1,
-        num_train_epochs=1, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
+        num_train_epochs=args.epochs, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=0.0, optim="sgd", report_to="none", save_strategy="no",
         logging_strategy="no", use_cpu=True, seed=args.seed, dataloader_num_workers=0,
         remove_unused_columns=False, disable_tqdm=True,

@@ -61,7 +61,10 @@ def main() -> None:
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--path", choices=("r1", "r2"), required=True)
     parser.add_argument("--loss-type", choices=("chunked_nll", "nll"), required=True)
-    parser.add_argument("--loss-fn", choices=("trl", "zerofix"), default="trl")
+    parser.add_argument("--loss-fn", choices=("trl", "zerofix", "full-logits"), default="trl",
+                        help="full-logits (with --loss-type nll): SFTTrainer's compute_loss_func computes the loss "
+                        "from the model's full logits, a reference independent of TRL's own loss (TRL >= 1.6 "
+                        "computes nll in chunks itself)")
     parser.add_argument("--zerofix", action="store_true")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", required=True)
@@ -144,8 +147,9 @@ def train(args) -> dict:
             return result
 
     data = dataset()
+    extra = {"compute_loss_func": full_logits_nll} if loss_fn == "full-logits" else {}
     trainer = Trainer(model=args.model_dir, args=config, train_dataset=data,
-                      eval_dataset=data.select(range(4)) if args.path == "r1" else None)
+                      eval_dataset=data.select(range(4)) if args.path == "r1" else None, **extra)
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     head = trainer.model.lm_head.weight
@@ -162,6 +166,19 @@ def train(args) -> dict:
         "grad_norm": [h["grad_norm"] for h in history if "grad_norm" in h],
         "eval_loss": [h["eval_loss"] for h in history if "eval_loss" in h],
     }
+
+
+def full_logits_nll(outputs, labels, num_items_in_batch=None):
+    """The next-token loss from the full logits: summed over counted tokens, divided by the window's count
+    (``num_items_in_batch``, training) or this batch's (evaluation), as TRL's nll does."""
+    import torch.nn.functional as F
+
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+    targets = labels[:, 1:].reshape(-1).to(logits.device)
+    total = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets, ignore_index=-100,
+                            reduction="sum")
+    count = num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum().clamp(min=1)
+    return total / count
 
 
 if __name__ == "__main__":

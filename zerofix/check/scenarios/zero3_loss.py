@@ -81,6 +81,19 @@ def head_loss(model, hidden, labels, cell):
         return per_rank_loss(logits, labels)
 
 
+def reference_step(before: dict, step: int, cell: dict, world: int) -> tuple[dict, dict]:
+    """(weights loaded from ``before``, weights after one float64 SGD step on step ``step``'s batches of every
+    rank): the single-process reference of one step. DeepSpeed averages the ranks' gradients, so the
+    objective is the mean of the per-rank losses. A tied head takes lm_head.weight, loaded last, as in the run."""
+    model = HeadModel(cell).double()
+    model.load_state_dict({k: v.double() for k, v in before.items()}, strict=False)
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
+    total = sum(per_rank_loss(model.lm_head(model.decoder(ids)), labels)
+                for ids, labels in (batch(step, r, cell) for r in range(world))) / world
+    total.backward()
+    return start, {name: start[name] - LR * p.grad for name, p in model.named_parameters()}
+
+
 def per_rank_loss(logits, labels):
     """Mean over this rank's counted tokens; 0 (not NaN) when there are none."""
     flat, y = logits.reshape(-1, VOCAB), labels.reshape(-1)

@@ -1,0 +1,171 @@
+"""``zerofix check --plot``: for the scenarios whose runs were wrong, the loss over 20 optimizer steps,
+unpatched vs patched vs the single-process reference, so the divergence is seen, not just read.
+
+Each plotted scenario is trained again for 20 steps on one repeated window of samples (so the loss can
+fall), unpatched and patched in one launch; the curve is the window's loss (float64, the loss the user
+means) at the weights before each step and after the last. The reference trains the same window from
+the same initial weights in one process.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+STEPS = 20
+PLOTTABLE = ("trainer-", "accelerate-", "deepspeed")  # jobs whose curves can be re-run (by job name prefix)
+
+
+def unavailable() -> str | None:
+    """Why --plot cannot work here, or None."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "--plot needs matplotlib, which is not installed here: pip install matplotlib"
+    return None
+
+
+def wanted(results: list[dict]) -> list[dict]:
+    """The rows with a bug: wrong unpatched or wrong patched (ok and skipped rows are not plotted)."""
+    return [r for r in results if r["status"] in ("fixed", "WRONG")]
+
+
+def plot(results: list[dict], path, *, nproc: int, timeout: float, workdir=None) -> str:
+    """Run the curves and write the figure; returns what to print."""
+    import tempfile
+
+    rows = wanted(results)
+    if not rows:
+        return f"--plot: no scenario with a bug here, nothing to plot ({path} not written)"
+    skipped = [r["name"] for r in rows if not r["job"].startswith(PLOTTABLE)]
+    rows = [r for r in rows if r["job"].startswith(PLOTTABLE)]
+    if not rows:
+        return f"--plot: no loss curve for {', '.join(skipped)} ({path} not written)"
+    if workdir:
+        curves = run_curves(rows, nproc, Path(workdir) / "curves", timeout)
+    else:
+        with tempfile.TemporaryDirectory(prefix="zerofix-curves-") as tmp:
+            curves = run_curves(rows, nproc, Path(tmp), timeout)
+    draw(curves, path)
+    note = f"; no curve for {', '.join(skipped)}" if skipped else ""
+    return f"--plot: loss over {STEPS} steps for {', '.join(c['name'] for c in curves)} written to {path}{note}"
+
+
+def run_curves(rows: list[dict], nproc: int, workdir: Path, timeout: float) -> list[dict]:
+    """{name, verdict, unpatched, patched, reference (lists of STEPS + 1 losses) or error} per row."""
+    from zerofix.check import jobs, launch, plan
+
+    by_job: dict[str, list[dict]] = {}
+    for row in rows:
+        by_job.setdefault(row["job"], []).append(row)
+    curves = []
+    for job_name, job_rows in by_job.items():
+        ranks = 1 if plan.JOBS[job_name].ranks == "1" else nproc
+        try:
+            losses = _job_curves(job_name, job_rows, ranks, workdir / job_name, timeout, jobs)
+        except launch.LaunchError as exc:
+            losses = {r["name"]: {"error": exc.tail} for r in job_rows}
+        curves += [{"name": r["name"], "verdict": r["verdict"], **losses[r["name"]]} for r in job_rows]
+    return curves
+
+
+def _job_curves(job_name, rows, nproc, out_dir, timeout, jobs) -> dict:
+    if job_name == "deepspeed":
+        return _deepspeed_curves(rows, nproc, out_dir, timeout, jobs)
+    return _gas_curves(job_name, rows, nproc, out_dir, timeout, jobs)
+
+
+def _gas_curves(job_name, rows, nproc, out_dir, timeout, jobs) -> dict:
+    """Trainer and accelerate rows: one window of samples, STEPS epochs."""
+    import torch
+
+    from zerofix.check import parity, reference
+
+    trainer = job_name.startswith("trainer-")
+    gas = jobs.TRAINER_GAS if trainer else jobs.ACCELERATE_GAS
+    stage = {"zero2": 2, "zero3": 3}.get(job_name.rsplit("-", 1)[1])
+    models_of = {r["name"]: "causal-lm" if r["name"].endswith("-causal-lm") else "custom" for r in rows}
+    cells = [{"name": m, "model": m, "gas": gas, "samples": gas * jobs.BATCH * nproc, "epochs": STEPS}
+             for m in dict.fromkeys(models_of.values())]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    launcher = parity.TRAINER_GAS if trainer else parity.ACCELERATE_LOOP
+    records = parity.launch_cells(launcher, out_dir, cells, nproc=nproc, zero_stage=stage, lr=jobs.LR,
+                                  zerofix="both", env=None, python=sys.executable, timeout=timeout)
+    out = {}
+    for name, model in models_of.items():
+        loss_mode = parity.LOSS_MODE[model] if trainer else "batch-mean"
+        cell_dir = out_dir / model
+        init = torch.load(cell_dir / "init.pt")
+        window = reference.windows_from_ranks(
+            [r for r in records if r["cell_dir"] == model and r["variant"] == "patched"])[0]
+        curve = {}
+        for variant in ("unpatched", "patched"):
+            states = [init] + [torch.load(cell_dir / variant / f"step{k}.pt") for k in range(1, STEPS + 1)]
+            curve[variant] = [reference.window_loss(model, s, window, loss_mode=loss_mode, ranks=nproc) for s in states]
+        state, ref = init, [reference.window_loss(model, init, window, loss_mode=loss_mode, ranks=nproc)]
+        for _ in range(STEPS):
+            state = reference.reference_state(model, state, [window], loss_mode=loss_mode,
+                                              optimizer_factory=reference.sgd(jobs.LR), ranks=nproc)
+            ref.append(reference.window_loss(model, state, window, loss_mode=loss_mode, ranks=nproc))
+        curve["reference"] = ref
+        out[name] = curve
+    return out
+
+
+def _deepspeed_curves(rows, nproc, out_dir, timeout, jobs) -> dict:
+    """Raw DeepSpeed rows: the row's loop, STEPS windows, every window on the first window's samples."""
+    from zerofix.check import accumulation, parity, reference
+
+    cells = {r["name"]: jobs.ds_cell(r["name"])._replace(windows=STEPS, repeat=True) for r in rows}
+    runs = parity.ds_accumulation(out_dir, list(cells.values()), nproc=nproc, python=sys.executable, timeout=timeout)
+    out = {}
+    for name, cell in cells.items():
+        # Both loops' one update per window: the mean of the window's micro-batch means.
+        update = accumulation.updates(cell)[0][0]
+
+        def loss(state, update=update):
+            return reference.raw_update_loss(state, update, world=nproc)
+
+        curve = {}
+        for variant in ("unpatched", "patched"):
+            errors = [e for e in runs[variant][cell.name]["errors"] if e]
+            if errors:
+                curve[variant] = None
+                continue
+            curve[variant] = [loss(s) for s in [runs["init"], *runs[variant][cell.name]["snapshots"]]]
+        states, _ = reference.reference_windows(runs["init"], accumulation.updates(cell), world=nproc,
+                                                optimizer_factory=reference.OPTIMIZERS[cell.optimizer])
+        curve["reference"] = [loss(s) for s in [runs["init"], *states]]
+        out[name] = curve
+    return out
+
+
+def draw(curves: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = min(3, len(curves))
+    rows = (len(curves) + columns - 1) // columns
+    fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.6 * rows), squeeze=False)
+    for ax, curve in zip(list(axes.flat)[:len(curves)], curves, strict=True):
+        ax.set_title(f"{curve['name']}\n{curve['verdict']}", fontsize=9)
+        if "error" in curve:
+            ax.text(0.5, 0.5, "the curve run failed:\n" + curve["error"][-300:], ha="center", va="center",
+                    fontsize=7, wrap=True, transform=ax.transAxes)
+            continue
+        steps = range(len(curve["reference"]))
+        ax.plot(steps, curve["reference"], "k--", lw=2, label="reference (float64, 1 process)")
+        for variant, style in (("unpatched", "r-"), ("patched", "b:")):
+            if curve[variant] is None:
+                ax.text(0.5, 0.9, f"{variant}: crashed", color=style[0], ha="center", transform=ax.transAxes)
+            else:
+                ax.plot(steps, curve[variant], style, lw=1.8 if variant == "unpatched" else 2.4, label=variant)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss of the window")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(curves):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,196 @@
+"""The jobs behind ``zerofix check``: each launches one real run (torchrun or accelerate launch, gloo, CPU) of
+its rows, unpatched then patched, and compares every update with the single-process float64 reference.
+
+``run(job, rows, nproc, out_dir, timeout)`` returns, per row name, ``{"unpatched": outcome, "patched": outcome,
+"applied": [fix ids]}``: an outcome is ``{"ratio", "cosine", "rel_err"}`` (the worst optimizer step of the
+run) or ``{"error": text}``; ``applied`` lists the row's catalogue fixes that the patched run applied.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from zerofix.check import accumulation, launch, parity, reference
+
+TRAINER_GAS, ACCELERATE_GAS, BATCH, WINDOWS = 8, 4, 2, 2
+LR = 5.0  # SGD: large, so the update dominates the fp32 rounding of weights near 1.0 (norms)
+
+
+def _outcome(comparison: dict) -> dict:
+    return {k: comparison[k] for k in ("ratio", "cosine", "rel_err")}
+
+
+def _applied(status: dict, fixes) -> list[str]:
+    return [f for f in fixes if status.get(f) == "applied"]
+
+
+def _model_of(row) -> str:
+    return "causal-lm" if row.name.endswith("-causal-lm") else "custom"
+
+
+def trainer(job, rows, nproc, out_dir, timeout, stage=None):
+    cells = [{"name": _model_of(r), "model": _model_of(r), "gas": TRAINER_GAS,
+              "samples": WINDOWS * TRAINER_GAS * BATCH * nproc} for r in rows]
+    results = parity.trainer_cells(out_dir, cells, nproc=nproc, zero_stage=stage, lr=LR, timeout=timeout)
+    return {r.name: _variant_rows(results[_model_of(r)], r.fixes) for r in rows}
+
+
+def accelerate(job, rows, nproc, out_dir, timeout, stage=None):
+    cells = [{"name": _model_of(r), "model": _model_of(r), "gas": ACCELERATE_GAS,
+              "samples": WINDOWS * ACCELERATE_GAS * BATCH * nproc} for r in rows]
+    results = parity.accelerate_cells(out_dir, cells, nproc=nproc, zero_stage=stage, lr=LR, timeout=timeout)
+    return {r.name: _variant_rows(results[_model_of(r)], r.fixes) for r in rows}
+
+
+def _variant_rows(result: dict, fixes) -> dict:
+    return {"unpatched": _outcome(result["unpatched"]), "patched": _outcome(result["patched"]),
+            "applied": _applied(result["patched"]["rank_status"][0], fixes)}
+
+
+def ds_cell(name: str) -> accumulation.Cell:
+    """deepspeed-zero<s>-manual: 4 backwards then step(), config GAS=1 (the loop divides by 4);
+    deepspeed-zero<s>-own: backward + step() per micro-batch, config GAS=4 (DeepSpeed divides)."""
+    stage = int(name.split("-")[1][len("zero"):])
+    return accumulation.Cell(stage, 1, "a") if name.endswith("-manual") else accumulation.Cell(stage, 4, "b")
+
+
+def deepspeed(job, rows, nproc, out_dir, timeout):
+    cells = [ds_cell(r.name) for r in rows]
+    runs = parity.ds_accumulation(out_dir, cells, nproc=nproc, timeout=timeout)
+    out = {}
+    for row, cell in zip(rows, cells, strict=True):
+        entry = {}
+        for variant in ("unpatched", "patched"):
+            run = runs[variant][cell.name]
+            errors = [e for e in run["errors"] if e]
+            entry[variant] = ({"error": errors[0]} if errors
+                              else _ds_outcome(runs["init"], run["snapshots"], cell, nproc))
+        runtime = runs["patched"][cell.name]["runtime"][0]
+        entry["applied"] = _applied(runtime["states"] if runtime else {}, row.fixes)
+        out[row.name] = entry
+    return out
+
+
+def _ds_outcome(init: dict, snapshots: list[dict], cell, world: int) -> dict:
+    """The worst window, each compared from the weights the run had when it started."""
+    windows = accumulation.updates(cell)
+    if len(snapshots) != len(windows):
+        return {"error": f"{len(snapshots)} of {len(windows)} windows recorded"}
+    comparisons, start = [], init
+    for window, end in zip(windows, snapshots, strict=True):
+        states, _ = reference.reference_windows(start, [window], world=world,
+                                                optimizer_factory=reference.OPTIMIZERS[cell.optimizer])
+        comparisons.append(reference.compare(start, end, states[0]))
+        start = end
+    return _outcome(max(comparisons, key=lambda c: c["rel_err"]))
+
+
+ZERO3_LOSS = "zerofix.check.scenarios.zero3_loss"
+
+
+def zero3_loss(job, rows, nproc, out_dir, timeout):
+    import torch
+
+    from zerofix.check.scenarios import zero3_loss as scenario
+
+    cells = [{"name": r.name, "mode": r.name.rsplit("-", 1)[1], "tied": False, "bias": True, "chunk_size": 3,
+              "loss": "zerofix"} for r in rows]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "cells.json").write_text(json.dumps(cells))
+    records = launch.torchrun(ZERO3_LOSS, ["--cells", str(out_dir / "cells.json")], nproc=nproc,
+                              out_dir=out_dir / "run", timeout=timeout)
+    init = torch.load(out_dir / "run" / "init.pt")
+    out = {}
+    for row, cell in zip(rows, cells, strict=True):
+        errors = [r["cells"][cell["name"]].get("error") for r in records if r["cells"][cell["name"]].get("error")]
+        if errors:
+            out[row.name] = {"unpatched": None, "patched": {"error": errors[0]}, "applied": []}
+            continue
+        comparisons, before = [], init
+        for step, after in enumerate(torch.load(out_dir / "run" / f"{cell['name']}.pt")):
+            start, ref = scenario.reference_step(before, step, cell, nproc)
+            comparisons.append(reference.compare(start, after, ref))
+            before = after
+        out[row.name] = {"unpatched": None, "applied": [],
+                         "patched": _outcome(max(comparisons, key=lambda c: c["rel_err"]))}
+    return out
+
+
+TRL_SFT = "zerofix.check.scenarios.trl_sft"
+TRL_DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
+}
+
+
+def trl_accelerate_config(out_dir: Path) -> dict:
+    """accelerate launch with DeepSpeed ZeRO-3 and zero3_init_flag: from_pretrained loads partitioned."""
+    ds_file = out_dir / "ds_zero3.json"
+    ds_file.write_text(json.dumps(TRL_DS_CONFIG))
+    return {"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED", "num_machines": 1,
+            "machine_rank": 0, "rdzv_backend": "static", "same_network": True,
+            "deepspeed_config": {"deepspeed_config_file": str(ds_file), "zero3_init_flag": True}}
+
+
+def trl_sft(job, rows, nproc, out_dir, timeout):
+    """SFTTrainer with loss_type="chunked_nll" unpatched and patched, against the same run whose loss is computed
+    from the full logits (SFTTrainer's compute_loss_func): the outcome compares the train losses, grad norms and
+    eval losses, step by step. TRL >= 1.6 computes every nll in chunks, so "nll" alone would compare TRL with itself."""
+    from zerofix.check.scenarios import trl_sft as scenario
+
+    from transformers.utils import logging as hf_logging
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_logging.disable_progress_bar()  # save_pretrained's bar would break check's own progress bar
+    model_dir = scenario.make_model_dir(out_dir / "tiny-llama")
+    config = trl_accelerate_config(out_dir)
+
+    def sft(name, loss_type, patched):
+        args = ["--model-dir", str(model_dir), "--path", "r1", "--loss-type", loss_type]
+        if loss_type == "nll":
+            args += ["--loss-fn", "full-logits"]
+        return launch.accelerate_launch(TRL_SFT, args + (["--zerofix"] if patched else []), config=config,
+                                        nproc=nproc, out_dir=out_dir / name, timeout=timeout)
+
+    ref = sft("nll", "nll", False)
+    if any("error" in r for r in ref):
+        raise launch.LaunchError("the nll reference run failed", tail=_first_error(ref))
+    got = {variant: sft(variant, "chunked_nll", variant == "patched") for variant in ("unpatched", "patched")}
+    row = rows[0]
+    return {row.name: {"unpatched": trl_outcome(got["unpatched"], ref), "patched": trl_outcome(got["patched"], ref),
+                       "applied": _applied(got["patched"][0]["status"], row.fixes)}}
+
+
+def _first_error(records) -> str:
+    return next(f"rank {r['rank']}: {r['error']}" for r in records if "error" in r)
+
+
+def trl_outcome(records: list[dict], ref: list[dict]) -> dict:
+    """rel_err: the largest relative difference of any logged train loss, grad norm or eval loss;
+    ratio: the grad norms' sum over the reference's (no cosine: parameters are not compared)."""
+    if any("error" in r for r in records):
+        return {"error": _first_error(records)}
+    worst, norms, ref_norms = 0.0, 0.0, 0.0
+    for got, want in zip(records, ref, strict=True):
+        for key in ("train_loss", "grad_norm", "eval_loss"):
+            if len(got[key]) != len(want[key]):
+                return {"error": f"{key}: {len(got[key])} values logged, {len(want[key])} in the nll run"}
+            worst = max([worst] + [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got[key], want[key], strict=True)])
+        norms += sum(got["grad_norm"])
+        ref_norms += sum(want["grad_norm"])
+    return {"ratio": norms / ref_norms if ref_norms else float("nan"), "cosine": None, "rel_err": worst}
+
+
+RUNNERS = {
+    "trainer-1proc": trainer, "trainer-ddp": trainer,
+    "trainer-zero2": lambda *a: trainer(*a, stage=2), "trainer-zero3": lambda *a: trainer(*a, stage=3),
+    "accelerate-ddp": accelerate, "accelerate-zero2": lambda *a: accelerate(*a, stage=2),
+    "deepspeed": deepspeed, "zero3-loss": zero3_loss, "trl-sft": trl_sft,
+}
+
+
+def run(job, rows, nproc: int, out_dir, timeout: float) -> dict:
+    return RUNNERS[job.name](job, rows, nproc, Path(out_dir), timeout)

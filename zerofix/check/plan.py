@@ -1,0 +1,89 @@
+"""The scenarios of ``zerofix check``, as data: what each row trains, which job runs it, and which catalogue
+entries concern it. Rows of one job run in one launch (one interpreter start per rank, unpatched then
+patched in the same processes), which is what keeps the default run within minutes."""
+from __future__ import annotations
+
+import fnmatch
+from typing import NamedTuple
+
+TRAINER_FIXES = ("transformers-accelerate-double-division", "transformers-nokw-undivided")
+TRAINER_DS_FIXES = ("transformers-deepspeed-double-division", "deepspeed-scale-wrt-gas", "deepspeed-zero12-accumulator")
+DS_MANUAL_FIXES = ("deepspeed-manual-accumulation", "deepspeed-zero12-accumulator")
+DS_OWN_FIXES = ("deepspeed-zero12-accumulator", "deepspeed-scale-wrt-gas")
+
+
+class Job(NamedTuple):
+    name: str
+    requires: tuple[str, ...]  # distributions that must be installed
+    ranks: str = "n"  # "n": --nproc ranks; "1": always one process
+    min_ranks: int = 1  # skipped below this many ranks (DDP needs 2)
+    versions: tuple[tuple[str, str, str], ...] = ()  # (dist, PEP 440 specifier, why) that must hold
+
+
+class Scenario(NamedTuple):
+    name: str
+    job: str
+    title: str
+    fixes: tuple[str, ...] = ()  # catalogue entries that concern this scenario ("fixed by" names them)
+    quick: bool = False  # in ``--quick``'s set
+    patchable: bool = True  # False: an API with nothing to patch; only the zerofix run is made
+    tolerance: float | None = None  # None: verdict.TOLERANCE
+
+
+JOBS = {job.name: job for job in (
+    Job("trainer-1proc", ("transformers", "accelerate"), ranks="1"),
+    Job("trainer-ddp", ("transformers", "accelerate"), min_ranks=2),
+    Job("trainer-zero2", ("transformers", "accelerate", "deepspeed")),
+    Job("trainer-zero3", ("transformers", "accelerate", "deepspeed")),
+    Job("accelerate-ddp", ("transformers", "accelerate"), min_ranks=2),
+    Job("accelerate-zero2", ("transformers", "accelerate", "deepspeed")),
+    Job("deepspeed", ("deepspeed",)),
+    Job("zero3-loss", ("deepspeed",)),
+    Job("trl-sft", ("trl", "transformers", "accelerate", "deepspeed", "datasets"),
+        versions=(("trl", ">=1.4.0", "has no loss_type='chunked_nll' (new in 1.4.0)"),)),
+)}
+
+_MODELS = {"causal-lm": "causal LM with loss kwargs", "custom": "custom module without loss kwargs"}
+SCENARIOS: tuple[Scenario, ...] = (
+    *(Scenario(f"trainer-1proc-{m}", "trainer-1proc", f"Trainer, GAS=8, 1 process, {d}", TRAINER_FIXES, quick=True)
+      for m, d in _MODELS.items()),
+    *(Scenario(f"trainer-ddp-{m}", "trainer-ddp", f"Trainer, GAS=8, DDP, {d}", TRAINER_FIXES)
+      for m, d in _MODELS.items()),
+    *(Scenario(f"trainer-zero{s}-{m}", f"trainer-zero{s}", f"Trainer, GAS=8, DeepSpeed ZeRO-{s}, {d}", TRAINER_DS_FIXES)
+      for s in (2, 3) for m, d in _MODELS.items()),
+    *(Scenario(f"accelerate-ddp-{m}", "accelerate-ddp", f"Accelerate accumulate(), GAS=4, DDP, {d}")
+      for m, d in _MODELS.items()),
+    *(Scenario(f"accelerate-zero2-{m}", "accelerate-zero2", f"Accelerate accumulate(), GAS=4, DeepSpeed ZeRO-2, {d}",
+               ("deepspeed-zero12-accumulator",)) for m, d in _MODELS.items()),
+    *(Scenario(f"deepspeed-zero{s}-manual", "deepspeed", f"raw DeepSpeed ZeRO-{s}, config GAS=1, 4 x backward then "
+               "step()", DS_MANUAL_FIXES, quick=s == 2) for s in (1, 2, 3)),
+    *(Scenario(f"deepspeed-zero{s}-own", "deepspeed", f"raw DeepSpeed ZeRO-{s}, config GAS=4, backward + step() "
+               "per micro-batch", DS_OWN_FIXES, quick=s == 2) for s in (1, 2, 3)),
+    *(Scenario(f"zero3-loss-{where}", "zero3-loss", f"zerofix.chunked_cross_entropy on a ZeRO-3 head, {where} "
+               "engine.forward", patchable=False) for where in ("inside", "outside")),
+    # Compared with the same SFTTrainer run with loss_type="nll" (full logits): losses and grad norms.
+    Scenario("trl-sft-chunked-nll", "trl-sft", "TRL SFTTrainer, loss_type=chunked_nll, ZeRO-3, with evaluation",
+             ("trl-chunked-nll-zero3",), tolerance=1e-5),
+)
+NAMES = tuple(s.name for s in SCENARIOS)
+
+
+class UsageError(ValueError):
+    pass
+
+
+def select(*, only=None, skip=None, quick: bool = False) -> list[Scenario]:
+    """The scenarios to run. ``only`` / ``skip``: names or shell patterns (``deepspeed-*``); every pattern
+    must match a scenario. ``only`` picks from every scenario; otherwise ``quick`` picks its small set."""
+    def matching(patterns):
+        picked = set()
+        for pattern in patterns:
+            hits = fnmatch.filter(NAMES, pattern)
+            if not hits:
+                raise UsageError(f"no scenario matches {pattern!r}; the scenarios are: {', '.join(NAMES)}")
+            picked.update(hits)
+        return picked
+
+    chosen = matching(only) if only else {s.name for s in SCENARIOS if s.quick or not quick}
+    chosen -= matching(skip or ())
+    return [s for s in SCENARIOS if s.name in chosen]
