@@ -76,15 +76,17 @@ def main(args, parser) -> int:
     seconds = time.time() - start
     print(table(results))
     code = verdict.exit_code(r["status"] for r in results)
-    print(summary(results, seconds))
-    if args.json:
-        document = {"versions": found, "nproc": nproc, "quick": args.quick, "seconds": round(seconds, 1),
-                    "exit_code": code, "scenarios": results}
-        Path(args.json).write_text(json.dumps(document, indent=1))
+    print(summary(results, seconds), flush=True)
+    document = {"versions": found, "nproc": nproc, "quick": args.quick, "seconds": round(seconds, 1),
+                "exit_code": code, "scenarios": results}
     if args.plot:
         from zerofix.check import curves
 
-        print(curves.plot(results, args.plot, nproc=nproc, timeout=args.timeout, workdir=args.workdir))
+        message, document["curves"] = curves.plot(results, args.plot, nproc=nproc, timeout=args.timeout,
+                                                  workdir=args.workdir)
+        print(message)
+    if args.json:
+        Path(args.json).write_text(json.dumps(document, indent=1))
     return code
 
 
@@ -196,29 +198,28 @@ def _cells(outcome) -> tuple[str, str]:
 
 
 def table(results: list[dict]) -> str:
-    width = max(len(r["name"]) for r in results) + 2
+    width = max(len("scenario"), *(len(r["name"]) for r in results)) + 2
     lines = [f"\n{'':<{width}}{'unpatched':<18}{'patched':<18}",
              f"{'scenario':<{width}}{'ratio':<9}{'cosine':<9}{'ratio':<9}{'cosine':<9}verdict"]
     lines.append("-" * (len(lines[-1]) + 30))
-    notes = []
+    notes: dict[str, list[str]] = {}  # note -> the rows it concerns (a failed job's tail is printed once)
     for r in results:
         if r["status"] == "skipped":
             lines.append(f"{r['name']:<{width}}{r['verdict']}")
             continue
         u, p = _cells(r["unpatched"]), _cells(r["patched"])
-        text = r["verdict"]
         for label, outcome in (("unpatched", r["unpatched"]), ("patched", r["patched"])):
             if outcome and "error" in outcome:
-                notes.append(f"{r['name']}, {label}: {_one_line(outcome['error'])}")
+                notes.setdefault(f"{label}: {_one_line(outcome['error'])}", []).append(r["name"])
         if r.get("tail"):
-            notes.append(f"{r['name']}: the job failed; the failing rank's last lines:\n    "
-                         + r["tail"].replace("\n", "\n    "))
+            notes.setdefault("the job failed; the failing rank's last lines:\n    "
+                             + r["tail"].replace("\n", "\n    "), []).append(r["name"])
         if r.get("note"):
-            notes.append(f"{r['name']}: {r['note']}")
-        lines.append(f"{r['name']:<{width}}{u[0]:<9}{u[1]:<9}{p[0]:<9}{p[1]:<9}{text}")
+            notes.setdefault(r["note"], []).append(r["name"])
+        lines.append(f"{r['name']:<{width}}{u[0]:<9}{u[1]:<9}{p[0]:<9}{p[1]:<9}{r['verdict']}")
     if notes:
         lines.append("")
-        lines += [f"* {n}" for n in notes]
+        lines += [f"* {', '.join(names)}: {note}" for note, names in notes.items()]
     return "\n".join(lines)
 
 

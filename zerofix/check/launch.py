@@ -95,6 +95,8 @@ def failing_rank_tail(output: str, out_dir: Path, lines: int = 12) -> str:
     found = re.search(r"local_rank:\s*(\d+)", cause)
     logs = sorted(Path(out_dir, "logs").glob(f"*/attempt_*/{found.group(1)}/stderr.log")) if found else []
     if logs:
-        text = [line for line in logs[-1].read_text(errors="replace").splitlines() if line.strip()]
+        # torch prefixes a rank's traceback lines with "[rank<r>]:"; the heading names the rank once.
+        text = [re.sub(r"^\[rank\d+\]:\s?", "", line) for line in logs[-1].read_text(errors="replace").splitlines()]
+        text = [line for line in text if line.strip()]
         return f"rank {found.group(1)}:\n" + "\n".join(text[-lines:])
     return "\n".join(output.splitlines()[-lines:])

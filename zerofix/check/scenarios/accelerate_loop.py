@@ -21,7 +21,7 @@ BATCH = 2
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--cells", required=True, help="JSON file: a list of {name, model, gas, samples[, epochs]}")
+    p.add_argument("--cells", required=True, help="JSON file: a list of {name, model, gas, samples[, epochs, lr]}")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None)
     p.add_argument("--lr", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
@@ -62,7 +62,7 @@ def train(args, cell: dict, variant: str, out: Path, world: int, rank: int) -> N
     accelerator = Accelerator(cpu=args.zero_stage is None, **kwargs)
     dataset = models.IndexedDataset(cell["samples"], args.seed)
     loader = DataLoader(dataset, batch_size=BATCH, sampler=SequentialSampler(dataset), collate_fn=models.stack)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cell.get("lr", args.lr))
     wrapped, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     vdir = out / variant
     vdir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,318 @@
+"""``zerofix check``: the verdict logic and the output without ranks, then real runs of the command.
+
+The real runs assert, per stack, the verdict of every scenario of the default run (so a stack that stops
+showing a bug, or a fix that stops fixing it, is noticed), the ``--quick`` set, an injected scaling bug no
+catalogue entry explains (``WRONG``, exit code 1) and the ``--plot`` curves' numbers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from zerofix import cli
+from zerofix.check import command, launch, plan, verdict
+
+RIGHT = {"ratio": 1.0, "cosine": 1.0, "rel_err": 2e-7}
+LAST = {"ratio": 0.166, "cosine": 0.384, "rel_err": 1.08}
+
+
+# ---- verdicts, selection, output: no ranks --------------------------------------------------------------
+
+@pytest.mark.parametrize("unpatched, patched, applied, expected", [
+    (RIGHT, RIGHT, [], ("ok", "ok")),
+    (RIGHT, RIGHT, ["some-fix"], ("ok", "ok")),  # a fix applied where nothing was wrong changes nothing
+    (None, RIGHT, [], ("ok", "ok")),  # an API: only the zerofix run
+    (LAST, RIGHT, ["a", "b"], ("fixed", "fixed by a + b")),
+    ({"error": "TypeError: x"}, RIGHT, ["a"], ("fixed", "fixed by a")),  # a crash fixed
+    (LAST, LAST, ["a"], ("WRONG", "WRONG")),  # wrong patched: whatever was applied
+    (RIGHT, LAST, [], ("WRONG", "WRONG")),  # zerofix broke it
+    (LAST, RIGHT, [], ("WRONG", "WRONG")),  # the runs differ and nothing was applied: not reproducible
+    (RIGHT, {"error": "RuntimeError"}, [], ("WRONG", "WRONG")),
+    (RIGHT, None, [], ("failed", "failed")),
+])
+def test_verdict(unpatched, patched, applied, expected):
+    assert verdict.verdict(unpatched, patched, applied) == expected
+
+
+def test_tolerance_is_the_boundary():
+    assert verdict.is_right({"rel_err": verdict.TOLERANCE})
+    assert not verdict.is_right({"rel_err": verdict.TOLERANCE * 1.01})
+    assert verdict.verdict(RIGHT, {"ratio": 1, "cosine": 1, "rel_err": 5e-6}, [], tolerance=1e-6)[0] == "WRONG"
+
+
+def test_exit_code():
+    assert verdict.exit_code(["ok", "fixed", "skipped"]) == 0
+    assert verdict.exit_code(["ok", "WRONG"]) == 1
+    assert verdict.exit_code(["ok", "failed"]) == 1
+
+
+def test_known_notes_need_every_version():
+    on_2026_04 = {"deepspeed": "0.18.9", "accelerate": "1.13.0"}
+    assert "output hook" in verdict.known_note("accelerate-zero2-custom", on_2026_04)
+    assert verdict.known_note("accelerate-zero2-custom", {"deepspeed": "0.19.8"}) is None
+    assert verdict.known_note("trainer-zero2-custom", on_2026_04) is None
+    assert "no_sync" in verdict.known_note("accelerate-zero3-x", {"accelerate": "1.3.0", "deepspeed": "0.16.3"})
+    assert verdict.known_note("accelerate-zero2-x", {"accelerate": "1.3.0", "deepspeed": "0.16.4"}) is None
+
+
+def test_selection():
+    names = [s.name for s in plan.select()]
+    assert names == list(plan.NAMES) and len(set(names)) == len(names)
+    assert [s.name for s in plan.select(quick=True)] == [s.name for s in plan.SCENARIOS if s.quick]
+    assert [s.name for s in plan.select(only=["deepspeed-*"], skip=["*-own"])] == [
+        "deepspeed-zero1-manual", "deepspeed-zero2-manual", "deepspeed-zero3-manual"]
+    with pytest.raises(plan.UsageError, match="no scenario matches 'deepspeed-zero4'.*trainer-1proc-causal-lm"):
+        plan.select(only=["deepspeed-zero4"])
+    assert all(s.job in plan.JOBS for s in plan.SCENARIOS)
+
+
+def test_every_fix_a_scenario_names_is_in_the_catalogue():
+    from zerofix import catalogue
+
+    ids = {f.id for f in catalogue.FIXES}
+    assert {f for s in plan.SCENARIOS for f in s.fixes} <= ids
+
+
+def test_skip_reasons():
+    job = plan.JOBS["trl-sft"]
+    found = {"trl": "0.14.0", "transformers": "4.48.3", "accelerate": "1.3.0", "deepspeed": "0.16.3", "datasets": "3"}
+    assert command.skip_reason(job, 2, found) == "trl 0.14.0 has no loss_type='chunked_nll' (new in 1.4.0)"
+    assert command.skip_reason(job, 2, dict(found, trl="1.5.1")) is None
+    assert command.skip_reason(plan.JOBS["trainer-ddp"], 1, found) == "needs 2 ranks (--nproc 1)"
+    assert command.skip_reason(plan.JOBS["trainer-1proc"], 1, found) is None
+
+
+def test_table_and_summary():
+    rows = [
+        {"name": "a-row", "status": "ok", "verdict": "ok", "unpatched": RIGHT, "patched": RIGHT},
+        {"name": "b-row", "status": "fixed", "verdict": "fixed by f", "unpatched": {"error": "TypeError:\n boom"},
+         "patched": RIGHT},
+        {"name": "c-row", "status": "WRONG", "verdict": "WRONG", "unpatched": None,
+         "patched": {"ratio": 0.25, "cosine": None, "rel_err": 0.75}, "note": "known, not fixed: x"},
+        {"name": "d-row", "status": "failed", "verdict": "failed", "unpatched": None, "patched": None,
+         "tail": "rank 1:\nAssertionError: y"},
+        {"name": "e-row", "status": "failed", "verdict": "failed", "unpatched": None, "patched": None,
+         "tail": "rank 1:\nAssertionError: y"},
+        {"name": "f-row", "status": "skipped", "verdict": "skipped: trl not installed"},
+    ]
+    text = command.table(rows)
+    assert re.search(r"^b-row +crash +1\.0000 +1\.0000 +fixed by f$", text, re.M), text
+    assert re.search(r"^c-row +- +- +0\.2500 +- +WRONG$", text, re.M), text
+    assert re.search(r"^f-row +skipped: trl not installed$", text, re.M), text
+    header = next(line for line in text.splitlines() if line.startswith("scenario"))
+    assert all(line.index("verdict") == header.index("verdict") for line in text.splitlines() if "verdict" in line)
+    a_row = next(line for line in text.splitlines() if line.startswith("a-row"))
+    assert a_row.index("1.0000") == header.index("ratio")  # the unpatched ratio under its heading
+    assert "* b-row: unpatched: TypeError: boom" in text
+    assert "* c-row: known, not fixed: x" in text
+    # one failed job: its failing rank's lines once, for both rows
+    assert text.count("AssertionError: y") == 1 and "* d-row, e-row: the job failed" in text
+    assert command.summary(rows, 61.4) == "\n1 ok, 1 fixed, 1 WRONG, 2 failed, 1 skipped; total 61 s"
+
+
+def test_failing_rank_tail(tmp_path):
+    log = tmp_path / "logs" / "abc_x" / "attempt_0" / "1" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("noise\n" * 30 + "[rank1]: Traceback (most recent call last):\n[rank1]: ValueError: boom\n\n")
+    output = "lots of output\nRoot Cause (first observed failure):\n[0]:\n  rank : 1 (local_rank: 1)\n"
+    tail = launch.failing_rank_tail(output, tmp_path, lines=3)
+    assert tail == "rank 1:\nnoise\nTraceback (most recent call last):\nValueError: boom"
+    assert launch.failing_rank_tail("a\nb\nc", tmp_path, lines=2) == "b\nc"  # no root cause: the launcher's lines
+
+
+def run_cli(*argv) -> int:
+    try:
+        return cli.main(["check", *argv])
+    except SystemExit as exc:
+        return exc.code
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--only", "nope"], "no scenario matches 'nope'"),
+    (["--quick", "--nproc", "2"], "--quick runs 1 process"),
+    (["--nproc", "0"], "--nproc must be at least 1"),
+    (["--only", "trainer-1proc-custom", "--skip", "trainer-*"], "no scenario left to run"),
+    (["--frobnicate"], "unrecognized arguments"),
+])
+def test_usage_errors_exit_2_and_say_why(argv, message, capsys):
+    assert run_cli(*argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_a_usage_error_that_names_the_fix(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert run_cli("--quick", "--plot", "x.png") == 2
+    assert "--plot needs matplotlib, which is not installed here: pip install matplotlib" in capsys.readouterr().err
+
+
+def test_list_prints_every_scenario(capsys):
+    assert run_cli("--list") == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in plan.NAMES)
+
+
+# ---- real runs ------------------------------------------------------------------------------------------
+
+def zerofix_check(tmp_path, *argv, env=None, timeout=900):
+    """``zerofix check`` in a subprocess (as a user runs it): (exit code, JSON document, stdout)."""
+    out = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, "-m", "zerofix", "check", "--json", str(out), *argv],
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.returncode, json.loads(out.read_text()), proc.stdout
+
+
+def verdicts(document) -> dict:
+    return {r["name"]: r["verdict"] for r in document["scenarios"]}
+
+
+MANUAL = "fixed by deepspeed-manual-accumulation"
+EXPECTED = {
+    # The default run, every scenario: what the catalogue says each stack does.
+    "latest": {**{n: "ok" for n in plan.NAMES}, "deepspeed-zero1-manual": MANUAL, "deepspeed-zero2-manual": MANUAL},
+    "2026-04": {
+        **{n: "ok" for n in plan.NAMES},
+        **{f"trainer-{w}-{m}": "fixed by transformers-accelerate-double-division"
+           for w in ("1proc", "ddp") for m in ("causal-lm", "custom")},
+        "accelerate-zero2-causal-lm": "WRONG", "accelerate-zero2-custom": "WRONG",  # DeepSpeed's output hook
+        "deepspeed-zero1-manual": MANUAL, "deepspeed-zero2-manual": MANUAL,
+    },
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.stack(*EXPECTED)
+def test_default_run_verdicts(tmp_path, stack):
+    code, document, stdout = zerofix_check(tmp_path)
+    assert verdicts(document) == EXPECTED[stack], stdout
+    assert code == (1 if "WRONG" in EXPECTED[stack].values() else 0)
+    rows = {r["name"]: r for r in document["scenarios"]}
+    for name, row in rows.items():
+        assert row["patched"]["rel_err"] < verdict.TOLERANCE if row["status"] != "WRONG" else True
+        if row["status"] == "fixed":  # the unpatched half: the measured bug, not noise
+            assert "error" in row["unpatched"] or row["unpatched"]["rel_err"] > 0.3, (name, row)
+    for name in ("deepspeed-zero1-manual", "deepspeed-zero2-manual"):  # only the last micro-batch survives
+        assert rows[name]["unpatched"]["cosine"] < 0.5, rows[name]
+    if stack == "2026-04":
+        for name in ("trainer-1proc-causal-lm", "trainer-ddp-custom"):
+            assert rows[name]["unpatched"]["ratio"] == pytest.approx(1 / 8, rel=1e-4)
+        for name in ("accelerate-zero2-causal-lm", "accelerate-zero2-custom"):
+            assert rows[name]["patched"]["ratio"] == pytest.approx(1 / 4, rel=1e-4)
+            assert "output hook" in rows[name]["note"]
+    assert document["versions"]["deepspeed"] and document["nproc"] == 2
+    assert "total" in stdout and document["seconds"] > 0
+
+
+ZERO12 = "fixed by deepspeed-zero12-accumulator"
+SUBSETS = {
+    # The older stacks (the full run is ~1.5 min each): the scenarios that show each stack's bugs.
+    "2025-12": ("trainer-zero2-*,trainer-zero3-*,accelerate-zero2-custom", {
+        **{f"trainer-zero{s}-{m}": "fixed by deepspeed-scale-wrt-gas" for s in (2, 3) for m in ("causal-lm", "custom")},
+        "accelerate-zero2-custom": "WRONG"}),
+    "2025-10": ("trainer-zero2-custom,accelerate-zero2-custom,deepspeed-zero2-*", {
+        "trainer-zero2-custom": ZERO12, "accelerate-zero2-custom": ZERO12, "deepspeed-zero2-own": ZERO12,
+        "deepspeed-zero2-manual": "fixed by deepspeed-manual-accumulation + deepspeed-zero12-accumulator"}),
+    "2025-01": ("trainer-zero3-*,accelerate-zero2-custom", {
+        "trainer-zero3-causal-lm": "fixed by transformers-deepspeed-double-division",
+        "trainer-zero3-custom": "fixed by transformers-deepspeed-double-division",
+        "accelerate-zero2-custom": "failed"}),  # accelerate 1.3.0's no_sync under ZeRO-2: a crash
+    "2024-11": ("trainer-1proc-*,trainer-zero3-*", {
+        "trainer-1proc-causal-lm": "ok", "trainer-1proc-custom": "fixed by transformers-nokw-undivided",
+        "trainer-zero3-causal-lm": "fixed by transformers-deepspeed-double-division", "trainer-zero3-custom": "ok"}),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.stack(*SUBSETS)
+def test_older_stacks_verdicts(tmp_path, stack):
+    only, expected = SUBSETS[stack]
+    code, document, stdout = zerofix_check(tmp_path, "--only", only)
+    assert verdicts(document) == expected, stdout
+    assert code == (0 if set(expected.values()) <= {"ok"} | {v for v in expected.values() if v.startswith("fixed")}
+                    else 1)
+    rows = {r["name"]: r for r in document["scenarios"]}
+    for name, row in rows.items():
+        if row["status"] == "fixed":
+            assert "error" in row["unpatched"] or row["unpatched"]["rel_err"] > 0.3, (name, row)
+    if stack == "2025-01":
+        row = rows["accelerate-zero2-custom"]
+        assert "no_sync context manager is incompatible" in row["tail"] and row["tail"].startswith("rank ")
+        assert "no_sync" in row["note"] and "the failing rank's last lines" in stdout
+    if stack == "2024-11":
+        assert rows["trainer-1proc-custom"]["unpatched"]["ratio"] == pytest.approx(8, rel=1e-4)
+
+
+@pytest.mark.distributed
+@pytest.mark.stack("latest")
+def test_quick_runs_one_process_and_its_small_set(tmp_path):
+    code, document, stdout = zerofix_check(tmp_path, "--quick")
+    assert code == 0, stdout
+    assert document["nproc"] == 1
+    assert verdicts(document) == {"trainer-1proc-causal-lm": "ok", "trainer-1proc-custom": "ok",
+                                  "deepspeed-zero2-manual": MANUAL, "deepspeed-zero2-own": "ok"}
+
+
+HALVE_LOSS = '''
+import os
+# Only in the ranks of the scenario's job (torchrun sets LOCAL_RANK), never in zerofix check itself, which
+# computes the reference: every backward of the run sees half the loss. No catalogue entry explains it.
+if "LOCAL_RANK" in os.environ and os.environ.get("HALVE_THE_LOSS") == "1":
+    import torch
+
+    _backward = torch.Tensor.backward
+
+    def backward(self, *args, **kwargs):
+        return _backward(self * 0.5, *args, **kwargs)
+
+    torch.Tensor.backward = backward
+'''
+
+
+@pytest.mark.distributed
+@pytest.mark.stack("latest")
+def test_an_uncatalogued_scaling_bug_reads_wrong_and_exits_1(tmp_path):
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(textwrap.dedent(HALVE_LOSS))
+    pythonpath = os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")])
+    code, document, stdout = zerofix_check(tmp_path, "--only", "trainer-1proc-custom",
+                                           env={"PYTHONPATH": pythonpath, "HALVE_THE_LOSS": "1"})
+    row = document["scenarios"][0]
+    assert code == 1 and row["verdict"] == "WRONG", stdout
+    for variant in ("unpatched", "patched"):
+        assert row[variant]["ratio"] == pytest.approx(0.5, rel=1e-4) and row[variant]["cosine"] > 0.9999
+    assert "WRONG" in stdout and "1 WRONG" in stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.stack("latest")
+def test_plot_shows_the_divergence(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "curves.png"
+    code, document, stdout = zerofix_check(tmp_path, "--only", "deepspeed-zero2-manual,deepspeed-zero3-manual",
+                                           "--plot", str(png))
+    assert code == 0, stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    (curve,) = document["curves"]  # the scenario with a bug only (ZeRO-3 is right)
+    assert curve["name"] == "deepspeed-zero2-manual" and len(curve["reference"]) == 21
+    ref, patched, unpatched = curve["reference"], curve["patched"], curve["unpatched"]
+    assert ref[-1] < ref[0] - 0.3  # the reference learns the repeated window
+    assert max(abs(p - r) for p, r in zip(patched, ref, strict=True)) < 1e-4
+    assert unpatched[-1] > ref[-1] + 0.3  # only the last micro-batch of each window trains
+    assert "written to" in stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.stack("trl151-ds0154")
+def test_trl_chunked_nll_crashes_unpatched_and_is_fixed(tmp_path):
+    code, document, stdout = zerofix_check(tmp_path, "--only", "trl-sft-chunked-nll")
+    (row,) = document["scenarios"]
+    assert code == 0 and row["verdict"] == "fixed by trl-chunked-nll-zero3", stdout
+    assert "size mismatch" in row["unpatched"]["error"] and "vec (0)" in row["unpatched"]["error"]
+    assert row["patched"]["rel_err"] < 1e-5
