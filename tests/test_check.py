@@ -316,3 +316,23 @@ def test_trl_chunked_nll_crashes_unpatched_and_is_fixed(tmp_path):
     assert code == 0 and row["verdict"] == "fixed by trl-chunked-nll-zero3", stdout
     assert "size mismatch" in row["unpatched"]["error"] and "vec (0)" in row["unpatched"]["error"]
     assert row["patched"]["rel_err"] < 1e-5
+
+
+@pytest.mark.parametrize("stack", sorted(EXPECTED))
+def test_readme_shows_the_real_verdicts(stack):
+    """The README's check outputs (pasted from real runs) list every scenario with the verdict the stack's
+    test asserts, and the versions of that stack."""
+    from pathlib import Path
+
+    from conftest import stack_pins
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split(f"<!-- check-output: {stack} -->\n```\n", 1)[1].split("```", 1)[0]
+    rows = {}
+    for line in block.splitlines():
+        fields = line.split()
+        if fields and fields[0] in plan.NAMES:
+            rows[fields[0]] = " ".join(fields[5:])
+    assert rows == EXPECTED[stack]
+    pins = stack_pins(stack)
+    assert all(f"{d} {pins[d]}" in block for d in ("transformers", "accelerate", "deepspeed", "trl"))

@@ -97,9 +97,9 @@ def _names(text):
 def header(found: dict, nproc: int) -> str:
     libs = ", ".join(f"{d} {found[d] or '-'}" for d in DISTS)
     return (f"zerofix check (zerofix {found['zerofix'] or '-'}): {libs}\n"
-            f"{nproc} rank{'s' if nproc > 1 else ''} per multi-rank scenario, gloo on CPU; every run unpatched, then "
-            f"patched; update/reference of the worst optimizer step against a float64 single-process "
-            f"reference on the same samples (ratio = <update, reference>/<reference, reference>, 1.0000 is right)")
+            f"{nproc} rank{'s' if nproc > 1 else ''} per multi-rank scenario, gloo on CPU; each scenario unpatched, "
+            f"then patched\nratio = <update, reference> / <reference, reference> of the worst optimizer step "
+            f"(1.0000 is right); reference: float64, one process, the same samples")
 
 
 def skip_reason(job: plan.Job, nproc: int, found: dict) -> str | None:

@@ -8,6 +8,7 @@ the same initial weights in one process.
 """
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -147,7 +148,7 @@ def draw(curves: list[dict], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    columns = min(3, len(curves))
+    columns = min(3, math.ceil(math.sqrt(len(curves))))  # 4 curves: 2 x 2
     rows = (len(curves) + columns - 1) // columns
     fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.6 * rows), squeeze=False)
     for ax, curve in zip(list(axes.flat)[:len(curves)], curves, strict=True):
