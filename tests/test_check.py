@@ -139,6 +139,8 @@ def run_cli(*argv) -> int:
     (["--nproc", "0"], "--nproc must be at least 1"),
     (["--only", "trainer-1proc-custom", "--skip", "trainer-*"], "no scenario left to run"),
     (["--frobnicate"], "unrecognized arguments"),
+    (["--timeout", "0"], "--timeout must be a positive number of seconds"),
+    (["--json", "/nonexistent-dir/x.json"], "--json /nonexistent-dir/x.json: the directory /nonexistent-dir does not"),
 ])
 def test_usage_errors_exit_2_and_say_why(argv, message, capsys):
     assert run_cli(*argv) == 2

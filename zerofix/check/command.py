@@ -49,6 +49,12 @@ def main(args, parser) -> int:
     nproc = 1 if args.quick else (2 if args.nproc is None else args.nproc)
     if nproc < 1:
         parser.error("--nproc must be at least 1")
+    if args.timeout <= 0:
+        parser.error("--timeout must be a positive number of seconds")
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        # Found out now, not after minutes of runs.
+        if path and not Path(path).resolve().parent.is_dir():
+            parser.error(f"{option} {path}: the directory {Path(path).resolve().parent} does not exist")
     try:
         rows = plan.select(only=_names(args.only), skip=_names(args.skip), quick=args.quick)
     except plan.UsageError as exc:
@@ -199,7 +205,7 @@ def _cells(outcome) -> tuple[str, str]:
 
 def table(results: list[dict]) -> str:
     width = max(len("scenario"), *(len(r["name"]) for r in results)) + 2
-    lines = [f"\n{'':<{width}}{'unpatched':<18}{'patched':<18}",
+    lines = [f"\n{'':<{width}}{'unpatched':<18}patched",
              f"{'scenario':<{width}}{'ratio':<9}{'cosine':<9}{'ratio':<9}{'cosine':<9}verdict"]
     lines.append("-" * (len(lines[-1]) + 30))
     notes: dict[str, list[str]] = {}  # note -> the rows it concerns (a failed job's tail is printed once)
