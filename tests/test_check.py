@@ -72,6 +72,12 @@ def test_selection():
     assert all(s.job in plan.JOBS for s in plan.SCENARIOS)
 
 
+def test_every_job_has_a_runner():
+    from zerofix.check import jobs
+
+    assert all(callable(jobs.runner(job)) for job in plan.JOBS.values())
+
+
 def test_every_fix_a_scenario_names_is_in_the_catalogue():
     from zerofix import catalogue
 

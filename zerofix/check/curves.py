@@ -83,10 +83,12 @@ def _gas_curves(job_name, rows, nproc, out_dir, timeout, jobs) -> dict:
 
     from zerofix.check import parity, reference
 
+    from zerofix.check import plan
+
     trainer = job_name.startswith("trainer-")
     gas = jobs.TRAINER_GAS if trainer else jobs.ACCELERATE_GAS
-    stage = {"zero2": 2, "zero3": 3}.get(job_name.rsplit("-", 1)[1])
-    models_of = {r["name"]: "causal-lm" if r["name"].endswith("-causal-lm") else "custom" for r in rows}
+    stage = plan.JOBS[job_name].zero_stage
+    models_of = {r["name"]: jobs.model_of(r["name"]) for r in rows}
     cells = [{"name": m, "model": m, "gas": gas, "samples": gas * jobs.BATCH * nproc, "epochs": STEPS,
               "lr": CURVE_LR[m]} for m in dict.fromkeys(models_of.values())]
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -24,22 +24,24 @@ def _applied(status: dict, fixes) -> list[str]:
     return [f for f in fixes if status.get(f) == "applied"]
 
 
-def _model_of(row) -> str:
-    return "causal-lm" if row.name.endswith("-causal-lm") else "custom"
+def model_of(name: str) -> str:
+    """The model kind a trainer-* / accelerate-* row trains (its name's suffix)."""
+    return "causal-lm" if name.endswith("-causal-lm") else "custom"
 
 
-def trainer(job, rows, nproc, out_dir, timeout, stage=None):
-    cells = [{"name": _model_of(r), "model": _model_of(r), "gas": TRAINER_GAS,
+def trainer(job, rows, nproc, out_dir, timeout):
+    cells = [{"name": model_of(r.name), "model": model_of(r.name), "gas": TRAINER_GAS,
               "samples": WINDOWS * TRAINER_GAS * BATCH * nproc} for r in rows]
-    results = parity.trainer_cells(out_dir, cells, nproc=nproc, zero_stage=stage, lr=LR, timeout=timeout)
-    return {r.name: _variant_rows(results[_model_of(r)], r.fixes) for r in rows}
+    results = parity.trainer_cells(out_dir, cells, nproc=nproc, zero_stage=job.zero_stage, lr=LR, timeout=timeout)
+    return {r.name: _variant_rows(results[model_of(r.name)], r.fixes) for r in rows}
 
 
-def accelerate(job, rows, nproc, out_dir, timeout, stage=None):
-    cells = [{"name": _model_of(r), "model": _model_of(r), "gas": ACCELERATE_GAS,
+def accelerate(job, rows, nproc, out_dir, timeout):
+    cells = [{"name": model_of(r.name), "model": model_of(r.name), "gas": ACCELERATE_GAS,
               "samples": WINDOWS * ACCELERATE_GAS * BATCH * nproc} for r in rows]
-    results = parity.accelerate_cells(out_dir, cells, nproc=nproc, zero_stage=stage, lr=LR, timeout=timeout)
-    return {r.name: _variant_rows(results[_model_of(r)], r.fixes) for r in rows}
+    results = parity.accelerate_cells(out_dir, cells, nproc=nproc, zero_stage=job.zero_stage, lr=LR,
+                                      timeout=timeout)
+    return {r.name: _variant_rows(results[model_of(r.name)], r.fixes) for r in rows}
 
 
 def _variant_rows(result: dict, fixes) -> dict:
@@ -184,13 +186,13 @@ def trl_outcome(records: list[dict], ref: list[dict]) -> dict:
     return {"ratio": norms / ref_norms if ref_norms else float("nan"), "cosine": None, "rel_err": worst}
 
 
-RUNNERS = {
-    "trainer-1proc": trainer, "trainer-ddp": trainer,
-    "trainer-zero2": lambda *a: trainer(*a, stage=2), "trainer-zero3": lambda *a: trainer(*a, stage=3),
-    "accelerate-ddp": accelerate, "accelerate-zero2": lambda *a: accelerate(*a, stage=2),
-    "deepspeed": deepspeed, "zero3-loss": zero3_loss, "trl-sft": trl_sft,
-}
+RUNNERS = {"deepspeed": deepspeed, "zero3-loss": zero3_loss, "trl-sft": trl_sft}
+
+
+def runner(job):
+    """The function that runs a job: by name, or by family (trainer-*, accelerate-*)."""
+    return RUNNERS.get(job.name) or {"trainer": trainer, "accelerate": accelerate}[job.name.split("-", 1)[0]]
 
 
 def run(job, rows, nproc: int, out_dir, timeout: float) -> dict:
-    return RUNNERS[job.name](job, rows, nproc, Path(out_dir), timeout)
+    return runner(job)(job, rows, nproc, Path(out_dir), timeout)

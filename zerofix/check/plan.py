@@ -18,6 +18,7 @@ class Job(NamedTuple):
     ranks: str = "n"  # "n": --nproc ranks; "1": always one process
     min_ranks: int = 1  # skipped below this many ranks (DDP needs 2)
     versions: tuple[tuple[str, str, str], ...] = ()  # (dist, PEP 440 specifier, why) that must hold
+    zero_stage: int | None = None  # trainer / accelerate jobs: through DeepSpeed with this stage
 
 
 class Scenario(NamedTuple):
@@ -33,10 +34,10 @@ class Scenario(NamedTuple):
 JOBS = {job.name: job for job in (
     Job("trainer-1proc", ("transformers", "accelerate"), ranks="1"),
     Job("trainer-ddp", ("transformers", "accelerate"), min_ranks=2),
-    Job("trainer-zero2", ("transformers", "accelerate", "deepspeed")),
-    Job("trainer-zero3", ("transformers", "accelerate", "deepspeed")),
+    Job("trainer-zero2", ("transformers", "accelerate", "deepspeed"), zero_stage=2),
+    Job("trainer-zero3", ("transformers", "accelerate", "deepspeed"), zero_stage=3),
     Job("accelerate-ddp", ("transformers", "accelerate"), min_ranks=2),
-    Job("accelerate-zero2", ("transformers", "accelerate", "deepspeed")),
+    Job("accelerate-zero2", ("transformers", "accelerate", "deepspeed"), zero_stage=2),
     Job("deepspeed", ("deepspeed",)),
     Job("zero3-loss", ("deepspeed",)),
     Job("trl-sft", ("trl", "transformers", "accelerate", "deepspeed", "datasets"),
