@@ -122,14 +122,18 @@ def test_table_and_summary():
     assert command.summary(rows, 61.4) == "\n1 ok, 1 fixed, 1 WRONG, 2 failed, 1 skipped; total 61 s"
 
 
-def test_failing_rank_tail(tmp_path):
-    log = tmp_path / "logs" / "abc_x" / "attempt_0" / "1" / "stderr.log"
-    log.parent.mkdir(parents=True)
-    log.write_text("noise\n" * 30 + "[rank1]: Traceback (most recent call last):\n[rank1]: ValueError: boom\n\n")
-    output = "lots of output\nRoot Cause (first observed failure):\n[0]:\n  rank : 1 (local_rank: 1)\n"
-    tail = launch.failing_rank_tail(output, tmp_path, lines=3)
-    assert tail == "rank 1:\nnoise\nTraceback (most recent call last):\nValueError: boom"
-    assert launch.failing_rank_tail("a\nb\nc", tmp_path, lines=2) == "b\nc"  # no root cause: the launcher's lines
+def test_failing_rank_tail():
+    output = ("[rank0]: noise of rank 0\n" + "[rank1]: noise\n" * 30 + "[rank1]: Traceback (most recent call last):\n"
+              "[rank1]:     ^^^^^\n[rank1]: ValueError: boom\n[rank0]: more of rank 0\n"
+              "E1122 ... failed (exitcode: 1) local_rank: 1\n"
+              "Root Cause (first observed failure):\n[0]:\n  time      : 2026-11-22\n  rank      : 1 (local_rank: 1)\n"
+              "  exitcode  : 1 (pid: 8423)\n")
+    expected = "rank 1:\nnoise\nTraceback (most recent call last):\nValueError: boom"  # no caret line
+    assert launch.failing_rank_tail(output, lines=3) == expected
+    # no root cause, or no prefixed lines of that rank: the launcher's last lines
+    assert launch.failing_rank_tail("a\nb\nc", lines=2) == "b\nc"
+    no_traceback = "x\nRoot Cause\n  rank : 3 (local_rank: 3)"
+    assert launch.failing_rank_tail(no_traceback, lines=1) == "  rank : 3 (local_rank: 3)"
 
 
 def run_cli(*argv) -> int:

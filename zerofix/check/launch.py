@@ -41,10 +41,8 @@ def torchrun(module: str, args: list[str], *, nproc: int, out_dir: Path, timeout
     interpreter (e.g. ``zerofix run --``)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # --tee: every rank's output also goes to <out>/logs/.../<local rank>/std{out,err}.log, so a failure
-    # can show the failing rank's last lines rather than the interleaved output of all of them.
-    cmd = [*launcher_prefix, python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "--log-dir", str(out_dir / "logs"), "--tee", "3", "-m", module, *args, "--out", str(out_dir)]
+    cmd = [*launcher_prefix, python, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node", str(nproc), "-m", module, *args, "--out", str(out_dir)]
     return _launch(cmd, module, nproc=nproc, out_dir=out_dir, timeout=timeout, env=env)
 
 
@@ -77,26 +75,27 @@ def _launch(cmd, module, *, nproc, out_dir, timeout, env):
         (out_dir / "launcher.log").write_text(stdout)
         raise LaunchError(f"{module} timed out after {timeout:.0f}s on {nproc} rank(s)\n{stdout[-6000:]}",
                           tail=f"timed out after {timeout:.0f} s; last lines:\n"
-                          + failing_rank_tail(stdout, out_dir)) from None
+                          + failing_rank_tail(stdout)) from None
     (out_dir / "launcher.log").write_text(stdout)
     if proc.returncode != 0:
         raise LaunchError(f"{module} failed on {nproc} rank(s) (exit {proc.returncode}); last lines "
                           f"of the ranks' output:\n" + "\n".join(stdout.splitlines()[-60:]),
-                          tail=failing_rank_tail(stdout, out_dir))
+                          tail=failing_rank_tail(stdout))
     return [json.loads(p.read_text()) for p in sorted(out_dir.glob("**/rank*.json"))]
 
 
-def failing_rank_tail(output: str, out_dir: Path, lines: int = 12) -> str:
-    """The last lines of the first failing rank's stderr (torchrun's "Root Cause" names it; its log is under
-    ``<out>/logs``), prefixed with the rank; the launcher's last lines when there is no such log."""
+def failing_rank_tail(output: str, lines: int = 12) -> str:
+    """The last lines of the first failing rank's traceback, headed by the rank: torchrun's "Root Cause"
+    names the rank, and torch prefixes the traceback of a rank with a process group by "[rank<r>]:" (the
+    launcher's last lines when either is missing, e.g. a crash before the process group existed)."""
     import re
 
-    cause = output.split("Root Cause", 1)[-1] if "Root Cause" in output else ""
-    found = re.search(r"local_rank:\s*(\d+)", cause)
-    logs = sorted(Path(out_dir, "logs").glob(f"*/attempt_*/{found.group(1)}/stderr.log")) if found else []
-    if logs:
-        # torch prefixes a rank's traceback lines with "[rank<r>]:"; the heading names the rank once.
-        text = [re.sub(r"^\[rank\d+\]:\s?", "", line) for line in logs[-1].read_text(errors="replace").splitlines()]
-        text = [line for line in text if line.strip()]
-        return f"rank {found.group(1)}:\n" + "\n".join(text[-lines:])
+    cause = output.split("Root Cause", 1)[1] if "Root Cause" in output else ""
+    found = re.search(r"\brank\s*:\s*(\d+)", cause)
+    if found:
+        prefix = f"[rank{found.group(1)}]:"
+        own = [line[len(prefix):].removeprefix(" ") for line in output.splitlines() if line.startswith(prefix)]
+        own = [line for line in own if line.strip(" ^~")]  # not the blank and the caret lines
+        if own:
+            return f"rank {found.group(1)}:\n" + "\n".join(own[-lines:])
     return "\n".join(output.splitlines()[-lines:])
