@@ -67,6 +67,8 @@ def run_curves(rows: list[dict], nproc: int, workdir: Path, timeout: float) -> l
             losses = _job_curves(job_name, job_rows, ranks, workdir / job_name, timeout, jobs)
         except launch.LaunchError as exc:
             losses = {r["name"]: {"error": exc.tail} for r in job_rows}
+        except Exception as exc:  # noqa: BLE001 - drawn as that panel's failure; the other curves still count
+            losses = {r["name"]: {"error": f"{type(exc).__name__}: {exc}"} for r in job_rows}
         curves += [{"name": r["name"], "verdict": r["verdict"], **losses[r["name"]]} for r in job_rows]
     return curves
 
