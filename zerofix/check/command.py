@@ -73,12 +73,16 @@ def main(args, parser) -> int:
     start = time.time()
     found = versions()
     print(header(found, nproc), flush=True)
-    if args.workdir:
-        Path(args.workdir).mkdir(parents=True, exist_ok=True)
-        results = run_rows(rows, nproc, Path(args.workdir), args.timeout, found)
-    else:
-        with tempfile.TemporaryDirectory(prefix="zerofix-check-") as tmp:
-            results = run_rows(rows, nproc, Path(tmp), args.timeout, found)
+    try:
+        if args.workdir:
+            Path(args.workdir).mkdir(parents=True, exist_ok=True)
+            results = run_rows(rows, nproc, Path(args.workdir), args.timeout, found)
+        else:
+            with tempfile.TemporaryDirectory(prefix="zerofix-check-") as tmp:
+                results = run_rows(rows, nproc, Path(tmp), args.timeout, found)
+    except KeyboardInterrupt:
+        print("\nzerofix check: interrupted (the running job's ranks were stopped)", file=sys.stderr)
+        return 130
     seconds = time.time() - start
     print(table(results))
     code = verdict.exit_code(r["status"] for r in results)

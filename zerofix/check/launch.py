@@ -69,6 +69,9 @@ def _launch(cmd, module, *, nproc, out_dir, timeout, env):
                             text=True, start_new_session=True)
     try:
         stdout, _ = proc.communicate(timeout=timeout)
+    except KeyboardInterrupt:  # Ctrl-C of zerofix check: its own session would keep the ranks running
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, _ = proc.communicate()
