@@ -14,33 +14,17 @@ losses, grad norms and eval losses equal the same run with ``loss_type="nll"`` (
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 
 pytest.importorskip("trl")
 pytest.importorskip("deepspeed")
 
-from zerofix.check import launch  # noqa: E402
+from zerofix.check import jobs, launch  # noqa: E402
 from zerofix.check.scenarios import trl_sft  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 R1_STACK = "trl151-ds0154"
 SAME = 1e-5  # relative: float32, chunked sums in another order than the full logits
-
-DS_CONFIG = {
-    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-    "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
-}
-
-
-def accelerate_config(tmp_path) -> dict:
-    ds_file = tmp_path / "ds_zero3.json"
-    ds_file.write_text(json.dumps(DS_CONFIG))
-    return {"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED", "num_machines": 1,
-            "machine_rank": 0, "rdzv_backend": "static", "same_network": True,
-            "deepspeed_config": {"deepspeed_config_file": str(ds_file), "zero3_init_flag": True}}
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +37,9 @@ def sft(tmp_path, model_dir):
     def run(path, loss_type, *, zerofix=False, loss_fn="trl"):
         name = f"{path}-{loss_type}-{loss_fn}-{'patched' if zerofix else 'unpatched'}"
         args = ["--model-dir", str(model_dir), "--path", path, "--loss-type", loss_type, "--loss-fn", loss_fn]
-        records = launch.accelerate_launch("zerofix.check.scenarios.trl_sft", args + (["--zerofix"] if zerofix else []),
-                                           config=accelerate_config(tmp_path), nproc=2, out_dir=tmp_path / name,
-                                           timeout=400)
+        records = launch.accelerate_launch(jobs.TRL_SFT, args + (["--zerofix"] if zerofix else []),
+                                           config=jobs.trl_accelerate_config(tmp_path), nproc=2,
+                                           out_dir=tmp_path / name, timeout=400)
         assert len(records) == 2
         for r in records:
             if "error" not in r:

@@ -29,7 +29,7 @@ def trainer_cells(out_dir, cells, *, nproc: int = 1, zero_stage: int | None = No
     or without DeepSpeed: {cell name: {variant: comparison + rank_status}}."""
     out_dir = Path(out_dir)
     records = launch_cells(TRAINER_GAS, out_dir, cells, nproc=nproc, zero_stage=zero_stage, lr=lr,
-                            zerofix=zerofix, env=env, python=python, timeout=timeout)
+                           zerofix=zerofix, env=env, python=python, timeout=timeout)
     results = {}
     for cell in cells:
         cell_records = [r for r in records if r["cell_dir"] == cell["name"]]
@@ -51,7 +51,7 @@ def accelerate_cells(out_dir, cells, *, nproc: int = 1, zero_stage: int | None =
     micro-batch means of a window (each micro-batch's loss is its own mean, accelerate divides)."""
     out_dir = Path(out_dir)
     records = launch_cells(ACCELERATE_LOOP, out_dir, cells, nproc=nproc, zero_stage=zero_stage, lr=lr,
-                            zerofix=zerofix, env=env, python=python, timeout=timeout)
+                           zerofix=zerofix, env=env, python=python, timeout=timeout)
     results = {}
     for cell in cells:
         cell_records = [r for r in records if r["cell_dir"] == cell["name"]]
@@ -63,7 +63,7 @@ def accelerate_cells(out_dir, cells, *, nproc: int = 1, zero_stage: int | None =
 
 
 def launch_cells(module: str, out_dir: Path, cells, *, nproc, zero_stage, lr, zerofix, env, python,
-                  timeout) -> list[dict]:
+                 timeout) -> list[dict]:
     """One torchrun job running every cell of ``cells`` (written to ``cells.json``) per variant."""
     import json
 
