@@ -43,14 +43,38 @@ def test_bootstrap_default_is_on_but_zero_still_wins():
 
 @pytest.mark.parametrize("env, words", [
     ({"ZEROFIX": "yes-please"}, ["ZEROFIX=1", "ZEROFIX=0", FIX]),
-    ({"ZEROFIX": "1", "ZEROFIX_DISABLE": "nope"}, ["ZEROFIX_DISABLE", FIX]),
-    ({"ZEROFIX": "1", "ZEROFIX_LOG": "loud"}, ["debug", "info", "warning"]),
-    ({"ZEROFIX": "1", "ZEROFIX_STRICT": "maybe"}, ["1 or 0"]),
+    ({"ZEROFIX": "1", "ZEROFIX_DISABLE": "nope"}, ["ZEROFIX_DISABLE=a comma list", FIX]),
 ])
 def test_malformed_values_name_the_valid_forms(env, words):
     with pytest.raises(ConfigError) as info:
         read_environment(env)
     assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_the_disable_warning_lists_no_form_it_rejects():
+    with pytest.raises(ConfigError) as info:
+        read_environment({"ZEROFIX": "1", "ZEROFIX_DISABLE": "nope"})
+    assert "ZEROFIX_DISABLE=1" not in str(info.value) and "ZEROFIX_DISABLE=0" not in str(info.value)
+    for rejected in ("1", "0"):
+        with pytest.raises(ConfigError):
+            read_environment({"ZEROFIX": "1", "ZEROFIX_DISABLE": rejected})
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"ZEROFIX_LOG": "bogus"}, ["ZEROFIX_LOG='bogus'", "debug, info, warning", "still apply"]),
+    ({"ZEROFIX_STRICT": "maybe"}, ["ZEROFIX_STRICT='maybe'", "1 or 0", "still apply"]),
+])
+def test_a_typo_in_an_optional_setting_warns_and_keeps_fixing(env, words):
+    settings = read_environment({"ZEROFIX": "1", **env})
+    assert settings.enabled and settings.fixes is None and not settings.strict and settings.log_level is None
+    assert all(w in settings.warnings[0] for w in words), settings.warnings
+    proc = run_python("""
+        import zerofix.activation as a, zerofix.patching as p
+        a.autopatch()
+        print(sorted(p._enabled) == sorted(__import__("zerofix").catalogue.ids()))
+    """, env={"ZEROFIX": "1", **env})
+    assert proc.stdout.strip().endswith("True"), proc.stdout + proc.stderr
+    assert proc.stderr.count("zerofix: warning:") == 1 and "patched nothing" not in proc.stderr, proc.stderr
 
 
 def test_malformed_value_at_startup_warns_once_and_patches_nothing():
@@ -106,6 +130,19 @@ def test_zerofix_run_rejects_unknown_ids_before_starting_anything():
     proc = subprocess.run([sys.executable, "-m", "zerofix", "run", "--fixes", "nope", "--", "true"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "nope" in proc.stderr and FIX in proc.stderr
+
+
+@pytest.mark.parametrize("kind, code", [("not-executable", 126), ("directory", 126), ("missing", 127)])
+def test_zerofix_run_with_a_command_it_cannot_start_says_why(tmp_path, kind, code):
+    target = tmp_path / kind
+    if kind == "not-executable":
+        target.write_text("#!/bin/sh\necho hi\n")
+    elif kind == "directory":
+        target.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "zerofix", "run", "--", str(target)], capture_output=True,
+                          text=True)
+    assert proc.returncode == code, proc.stderr
+    assert "Traceback" not in proc.stderr and str(target) in proc.stderr, proc.stderr
 
 
 def test_run_environment_puts_the_bootstrap_first_once():

@@ -301,3 +301,44 @@ def test_a_fix_waits_for_a_target_module_still_importing_the_other(tmp_path):
     """, env={"ZEROFIX": "1", "ZEROFIX_LOG": "info"})
     assert proc.stderr.count("fake-fix: applied") == 1, proc.stderr
     assert "target-changed" not in proc.stderr and "failed" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("first", ["patch()", "env"])
+def test_an_explicit_exclude_wins_over_an_earlier_patch_or_the_environment(lib, first):
+    """The README: explicit arguments > environment. patch(exclude=[...]) after patch() or ZEROFIX=1
+    unpatches the excluded fix (it used to stay applied)."""
+    check(lib, f"""
+        import fakelib.core as core
+        if {first == "patch()"}:
+            zerofix.patch()
+        else:
+            import zerofix.activation
+            zerofix.activation.autopatch()
+        assert state() == "applied" and core.Engine().step(1) == 4
+        zerofix.patch(exclude=["fake-fix"])
+        assert state() == "disabled" and core.Engine().step(1) == 2, zerofix.status()
+        assert "step" in vars(core.Engine) and not hasattr(vars(core.Engine)["step"], "__wrapped__")
+    """, env={"ZEROFIX": "1"} if first == "env" else None)
+
+
+def test_exclude_none_means_nothing_excluded(lib):
+    check(lib, """
+        import fakelib.core as core
+        zerofix.patch(exclude=None)
+        assert state() == "applied" and core.Engine().step(1) == 4
+    """)
+
+
+def test_a_reloaded_target_module_is_patched_again(lib):
+    """importlib.reload defines new classes: they must be wrapped too, not reported 'applied' while bare."""
+    check(lib, """
+        import importlib
+        import fakelib.core as core
+        zerofix.patch()
+        old = core.Engine
+        importlib.reload(core)
+        assert core.Engine is not old
+        assert state() == "applied" and core.Engine().step(1) == 4, zerofix.status()
+        zerofix.unpatch()
+        assert core.Engine().step(1) == 2 and not hasattr(vars(core.Engine)["step"], "__wrapped__")
+    """)

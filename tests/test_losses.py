@@ -236,3 +236,48 @@ def test_the_path_without_in_place_softmax_matches_too(monkeypatch, options):
     monkeypatch.setattr(losses, "_INPLACE_SOFTMAX_DEVICES", ())
     out, got = grads_of(chunked_cross_entropy, *make(bias=True), chunk_size=7, **options)
     assert rel(out, ref) < 1e-12 and all(rel(g, r) < 1e-12 for g, r in zip(got, ref_grads, strict=True))
+
+
+# ----------------------------------------------------------------------------- zerofix's own edges
+def test_num_items_in_batch_zero_with_counted_tokens_gives_a_zero_gradient():
+    """Documented: 0 counted items means loss 0 and a zero gradient (it used to give reduction='sum''s)."""
+    h, w, _, labels = make(ignored=0.2)
+    out = chunked_cross_entropy(h, w, labels, num_items_in_batch=0)
+    out.backward()
+    assert out.item() == 0
+    assert torch.all(h.grad == 0) and torch.all(w.grad == 0)
+
+
+@pytest.mark.parametrize("value", [-1, float("nan"), float("inf"), -float("inf"), 1e-300])
+def test_invalid_num_items_in_batch_is_a_value_error(value):
+    h, w, _, labels = make(dtype=torch.float32)  # 1e-300: 1/1e-300 overflows float32
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        chunked_cross_entropy(h, w, labels, num_items_in_batch=value)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_double_backward_raises_instead_of_a_gradient_without_graph(reduction):
+    h, w, _, labels = make()
+    out = chunked_cross_entropy(h, w, labels, reduction=reduction).sum()
+    with pytest.raises(RuntimeError, match="no double backward"):
+        torch.autograd.grad(out, h, create_graph=True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_second_backward_through_a_fused_loss_names_the_fix(reduction):
+    h, w, _, labels = make()
+    out = chunked_cross_entropy(h, w, labels, reduction=reduction)
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="reduction='none'"):
+        out.backward()
+
+
+def test_reduction_none_supports_retain_graph_and_gradcheck():
+    h, w, _, labels = make(n=7)
+    out = chunked_cross_entropy(h, w, labels, reduction="none").sum()
+    out.backward(retain_graph=True)
+    first = h.grad.clone()
+    out.backward()
+    assert torch.allclose(h.grad, 2 * first)
+    assert torch.autograd.gradcheck(lambda a, b: chunked_cross_entropy(a, b, labels, reduction="none"),
+                                    (h.detach().requires_grad_(), w.detach().requires_grad_()))

@@ -8,8 +8,10 @@ Precedence: explicit ``zerofix.patch()`` arguments > environment > defaults. Var
 - ``ZEROFIX_LOG``: ``debug``/``info``/``warning``: log zerofix's decisions to stderr at that level.
 - ``ZEROFIX_STRICT``: ``1`` raises when a fix's target changed instead of skipping it.
 
-A malformed value gets one warning naming the valid forms, and nothing is patched. Nothing here may
-raise into interpreter start-up.
+A malformed ``ZEROFIX`` or ``ZEROFIX_DISABLE`` gets one warning naming the valid forms, and nothing is
+patched (which fixes were meant is unclear). A malformed ``ZEROFIX_LOG`` or ``ZEROFIX_STRICT`` only
+warns and falls back to its default: a typo in a log level must not turn the fixes off. Nothing here
+may raise into interpreter start-up.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class Settings(NamedTuple):
     disable: tuple[str, ...]
     log_level: str | None
     strict: bool
+    warnings: tuple[str, ...] = ()  # malformed optional settings, replaced by their defaults
 
 
 def _id_list(name: str, value: str) -> tuple[str, ...]:
@@ -40,10 +43,11 @@ def _id_list(name: str, value: str) -> tuple[str, ...]:
     items = tuple(v.strip() for v in value.split(",") if v.strip())
     unknown = [v for v in items if v not in catalogue.ids()]
     if unknown or not items:
+        forms = (f"Valid forms: {name}=1 (all fixes), {name}=0 (off), or a comma list of: " if name == "ZEROFIX"
+                 else f"Valid form: {name}=a comma list of fix ids, from: ")
         raise ConfigError(
             f"{name}={value!r} is not valid: unknown fix id(s) {', '.join(unknown) or '(none given)'}. "
-            f"Valid forms: {name}=1 (all fixes), {name}=0 (off), or a comma list of: "
-            + ", ".join(catalogue.ids())
+            + forms + ", ".join(catalogue.ids())
         )
     return items
 
@@ -65,14 +69,18 @@ def read_environment(environ=None, *, default_on: bool = False) -> Settings:
     disable_raw = env.get("ZEROFIX_DISABLE", "").strip()
     disable = _id_list("ZEROFIX_DISABLE", disable_raw) if disable_raw else ()
 
+    warnings = []
     log_raw = env.get("ZEROFIX_LOG", "").strip().lower()
     if log_raw and log_raw not in LOG_LEVELS:
-        raise ConfigError(f"ZEROFIX_LOG={env.get('ZEROFIX_LOG')!r} is not valid; use one of: "
-                          + ", ".join(LOG_LEVELS))
+        warnings.append(f"ZEROFIX_LOG={env.get('ZEROFIX_LOG')!r} is not valid (use one of: {', '.join(LOG_LEVELS)}); "
+                        "logging warnings only, the fixes still apply")
+        log_raw = ""
     strict_raw = env.get("ZEROFIX_STRICT", "").strip().lower()
     if strict_raw and strict_raw not in OFF + ALL:
-        raise ConfigError(f"ZEROFIX_STRICT={env.get('ZEROFIX_STRICT')!r} is not valid; use 1 or 0")
-    return Settings(enabled, fixes, disable, log_raw or None, strict_raw in ALL)
+        warnings.append(f"ZEROFIX_STRICT={env.get('ZEROFIX_STRICT')!r} is not valid (use 1 or 0); not strict, "
+                        "the fixes still apply")
+        strict_raw = ""
+    return Settings(enabled, fixes, disable, log_raw or None, strict_raw in ALL, tuple(warnings))
 
 
 _warned = False
@@ -83,6 +91,15 @@ def _warn_once(message: str) -> None:
     if not _warned:
         _warned = True
         sys.stderr.write(f"zerofix: warning: {message}; zerofix patched nothing.\n")
+
+
+_warned_settings: set[str] = set()
+
+
+def _warn_setting(message: str) -> None:
+    if message not in _warned_settings:  # once per process, like _warn_once
+        _warned_settings.add(message)
+        sys.stderr.write(f"zerofix: warning: {message}.\n")
 
 
 def configure_logging(level: str) -> None:
@@ -110,6 +127,8 @@ def autopatch(*, default_on: bool = False):
         return None
     if not settings.enabled:
         return None
+    for message in settings.warnings:
+        _warn_setting(message)
     if settings.log_level:
         configure_logging(settings.log_level)
     from zerofix import patching

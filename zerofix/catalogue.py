@@ -19,6 +19,7 @@ class Target(NamedTuple):
     module: str
     attribute: str
     wrapper: str
+    optional: bool = False  # absent from some releases in range: skipped there, the rest still applies
 
 
 class Fix(NamedTuple):
@@ -102,6 +103,12 @@ FIXES: tuple[Fix, ...] = (
         targets=(
             Target("deepspeed.runtime.engine", "DeepSpeedEngine.backward", "backward"),
             Target("deepspeed.runtime.engine", "DeepSpeedEngine.step", "step"),
+            Target("deepspeed.runtime.engine", "DeepSpeedEngine.save_checkpoint", "save_checkpoint"),
+            # gradient reads between the last backward and step() reduce a lazily accumulated window
+            # first; deepspeed.utils re-exports them by value, so both names are wrapped
+            *(Target(module, name, "read_grad", optional=name == "safe_update_full_grad_vectorized")
+              for module in ("deepspeed.utils.tensor_fragment", "deepspeed.utils")
+              for name in ("safe_get_full_grad", "safe_set_full_grad", "safe_update_full_grad_vectorized")),
         ),
         implementation="zerofix.fixes.deepspeed_manual_accumulation",
         upstream=(

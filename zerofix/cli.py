@@ -94,8 +94,14 @@ def _run(args, parser) -> int:
         parser.error(str(exc))
     try:
         os.execvpe(command[0], command, env)
-    except FileNotFoundError:
-        parser.error(f"command not found: {command[0]}")
+    except FileNotFoundError:  # a shell's codes: 127 not found, 126 found but not runnable
+        sys.stderr.write(f"zerofix run: command not found: {command[0]}\n")
+        return 127
+    except OSError as exc:  # PermissionError, IsADirectoryError, ENOEXEC, ...
+        why = "is a directory" if os.path.isdir(command[0]) else (exc.strerror or type(exc).__name__).lower()
+        sys.stderr.write(f"zerofix run: cannot run {command[0]}: {why} (make it executable, or run it "
+                         f"through its interpreter: zerofix run -- python {command[0]})\n")
+        return 126
     return 0  # not reached
 
 

@@ -11,6 +11,7 @@ import sys
 import threading
 
 _hooks: dict[str, list] = {}
+_reload_hooks: dict[str, list] = {}  # persistent: importlib.reload re-runs a module, these run after
 _lock = threading.RLock()
 _resolving: set[str] = set()
 
@@ -28,6 +29,14 @@ def when_imported(name: str, callback) -> None:
             _install_finder()
             return
     _run(callback, module)
+
+
+def when_reloaded(name: str, callback) -> None:
+    """Call ``callback(module)`` each time ``importlib.reload`` re-executes ``name``. Reload finds the
+    module's spec again through ``sys.meta_path`` with the old module as ``target``: that is the cue."""
+    with _lock:
+        _reload_hooks.setdefault(name, []).append(callback)
+        _install_finder()
 
 
 def _run(callback, module) -> None:
@@ -48,9 +57,10 @@ def _fire(name: str, module) -> None:
 class _HookedLoader:
     """Delegates to the real loader and fires the hooks once the module body has run."""
 
-    def __init__(self, loader, name: str):
+    def __init__(self, loader, name: str, reload: bool = False):
         self._loader = loader
         self._name = name
+        self._reload = reload
 
     def __getattr__(self, attr):
         return getattr(self._loader, attr)
@@ -64,12 +74,19 @@ class _HookedLoader:
         if getattr(module, "__spec__", None) is not None:
             module.__spec__.loader = self._loader
         self._loader.exec_module(module)
-        _fire(self._name, sys.modules.get(self._name, module))
+        if self._reload:
+            with _lock:
+                callbacks = list(_reload_hooks.get(self._name, ()))
+            for callback in callbacks:
+                _run(callback, module)
+        else:
+            _fire(self._name, sys.modules.get(self._name, module))
 
 
 class _PostImportFinder:
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _hooks or fullname in _resolving:
+        reload = target is not None and fullname in _reload_hooks and sys.modules.get(fullname) is target
+        if (fullname not in _hooks and not reload) or fullname in _resolving:
             return None
         _resolving.add(fullname)
         try:
@@ -85,7 +102,7 @@ class _PostImportFinder:
             _resolving.discard(fullname)
         if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader = _HookedLoader(spec.loader, fullname)
+        spec.loader = _HookedLoader(spec.loader, fullname, reload=reload)
         return spec
 
 

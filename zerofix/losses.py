@@ -277,7 +277,8 @@ class _ChunkedCE(torch.autograd.Function):
         want = ctx.needs_input_grad
         fused = opt.weight_scale is not None
         want_grads = (want[0], want[1], bias is not None and want[2]) if fused else (False, False, False)
-        row_weights = torch.full((h.shape[0],), opt.weight_scale or 1.0, dtype=opt.acc, device=h.device)
+        row_weights = torch.full((h.shape[0],), 1.0 if opt.weight_scale is None else opt.weight_scale,
+                                 dtype=opt.acc, device=h.device)
         losses, grads, stats = _forward_pass(h, weight, bias, y, opt, row_weights, want_grads)
         ctx.opt, ctx.fused = opt, fused
         ctx.weight, ctx.bias = weight, bias  # the parameters themselves, for the ZeRO-3 hold in backward
@@ -295,7 +296,19 @@ class _ChunkedCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, *_):
+        if torch.is_grad_enabled():  # backward(create_graph=True): these gradients have no graph of their own
+            raise RuntimeError(
+                "zerofix.chunked_cross_entropy supports no double backward (create_graph=True, e.g. a gradient "
+                "penalty): its gradients are computed chunk by chunk outside autograd. Use F.cross_entropy on "
+                "the full logits for that term.")
         if ctx.fused:
+            if ctx.grads is None:
+                raise RuntimeError(
+                    "zerofix.chunked_cross_entropy with reduction='mean' or 'sum' computes its gradients in the "
+                    "forward and hands them out once: a second backward through the same graph "
+                    "(retain_graph=True, torch.autograd.gradcheck) is not supported. Use reduction='none' and "
+                    "reduce the result yourself (recomputed in backward, so it supports both), or run the forward "
+                    "again.")
             grad_h, grad_w, grad_b = ctx.grads
             ctx.grads = None
             # The weight's gradient is accumulated into the parameter right after this returns; under
@@ -351,6 +364,20 @@ def _check(hidden, weight, labels, bias, reduction, chunk_size, label_smoothing,
         raise ValueError(f"bias {tuple(bias.shape)} must be (vocab_size,) = ({weight.shape[0]},)")
 
 
+def _items(num_items_in_batch, dtype) -> float:
+    """num_items_in_batch as a float: a count of tokens, so finite and >= 0 (0: loss 0, gradient 0), and
+    large enough that 1 / num_items_in_batch is representable in the accumulation dtype."""
+    value = float(num_items_in_batch)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"num_items_in_batch={value!r}: must be a finite count >= 0 (the number of tokens the "
+                         "loss is averaged over; 0 gives loss 0 and a zero gradient)")
+    acc = torch.promote_types(dtype, torch.float32)
+    if 0 < value and 1.0 / value > torch.finfo(acc).max:
+        raise ValueError(f"num_items_in_batch={value!r}: 1/num_items_in_batch overflows {acc}; it is a token "
+                         "count, pass the number of counted tokens (or 0)")
+    return value
+
+
 def _run(hidden, weight, labels, bias, *, ignore_index, reduction, num_items_in_batch, chunk_size,
          label_smoothing, logit_softcap, z_loss, logit_scale, stats, out_dtype=None):
     # One gather for the whole forward, never per chunk (and by every rank, even with nothing to compute).
@@ -374,7 +401,7 @@ def _run(hidden, weight, labels, bias, *, ignore_index, reduction, num_items_in_
         elif reduction == "sum":
             weight_scale = 1.0
         else:
-            denom = n_valid if num_items_in_batch is None else float(num_items_in_batch)
+            denom = n_valid if num_items_in_batch is None else _items(num_items_in_batch, weight.dtype)
             weight_scale = 1.0 / denom if denom > 0 else 0.0  # no counted token anywhere: loss 0, gradient 0
         opt = _Options(chunk_size or default_chunk_size(vocab), float(label_smoothing), logit_softcap,
                        float(z_loss), float(logit_scale), weight_scale, stats,

@@ -135,6 +135,7 @@ def _resolve(target: catalogue.Target):
 def select(fixes=None, exclude=()) -> tuple[list[str], set[str]]:
     """Validate ids before anything is touched: unknown ids raise ValueError listing the valid ones."""
     valid = catalogue.ids()
+    exclude = () if exclude is None else exclude
     if isinstance(fixes, str) or isinstance(exclude, str):
         raise TypeError("fixes and exclude take a list of fix ids, e.g. patch(fixes=['%s'])" % valid[0])
     wanted = list(valid) if fixes is None else list(dict.fromkeys(fixes))
@@ -147,14 +148,17 @@ def select(fixes=None, exclude=()) -> tuple[list[str], set[str]]:
 
 def patch(fixes=None, exclude=(), *, strict: bool | None = None) -> None:
     """Enable fixes (all by default). Fixes whose modules are imported are applied now, the others
-    when their defining submodule is imported. Calling it again is a no-op for enabled fixes.
-    Returns nothing: status() would read package metadata, which start-up must not pay for."""
+    when their defining submodule is imported. Calling it again is a no-op for enabled fixes, except
+    that an explicit ``exclude`` wins over an earlier patch() or the environment: those fixes are
+    unpatched. Returns nothing: status() would read package metadata, which start-up must not pay for."""
     selected, excluded = select(fixes, exclude)
     if strict is None:
         from zerofix.activation import ALL
 
         strict = os.environ.get("ZEROFIX_STRICT", "").strip().lower() in ALL
     with _lock:
+        for fix_id in [f for f in catalogue.ids() if f in excluded and f in _enabled]:
+            _disable(fix_id)
         for fix in catalogue.FIXES:
             if fix.id in _enabled:
                 continue
@@ -169,6 +173,7 @@ def patch(fixes=None, exclude=(), *, strict: bool | None = None) -> None:
             )
             for module in fix.modules:
                 importhooks.when_imported(module, lambda m, fix_id=fix.id: _on_import(fix_id, m.__name__))
+                importhooks.when_reloaded(module, lambda m, fix_id=fix.id: _on_reload(fix_id))
 
 
 def _on_import(fix_id: str, module: str | None = None) -> None:
@@ -178,6 +183,18 @@ def _on_import(fix_id: str, module: str | None = None) -> None:
     fix = catalogue.by_id(fix_id)
     if all(_complete(m) or m == module for m in fix.modules):
         apply(fix)
+
+
+def _on_reload(fix_id: str) -> None:
+    """``importlib.reload`` re-ran a target module: its classes are new objects, the wrapped ones are gone
+    from its namespace. Drop the stale layers and apply the fix again to what the module defines now."""
+    with _lock:
+        if fix_id not in _enabled or fix_id not in _installed:
+            return
+        for slot in reversed(_installed.pop(fix_id)):
+            _remove_layer(slot, fix_id)
+    log("info", "%s: a target module was reloaded; applying again", fix_id)
+    apply(catalogue.by_id(fix_id))
 
 
 def _complete(name: str) -> bool:
@@ -214,23 +231,24 @@ def _install(fix: catalogue.Fix, version: str) -> Record:
     resolved = {}
     for target in fix.targets:
         try:
-            resolved[target.attribute] = _resolve(target)
+            resolved[target] = _resolve(target)
         except AttributeError as exc:
+            if target.optional:  # not in this release: nothing there to wrap
+                continue
             return Record(fix.id, TARGET_CHANGED, fix.dist, version, fix.affected,
                           f"{target.module}.{target.attribute} not found ({exc})")
     # The check sees what upstream defined, also under another fix's layer.
     originals = {}
-    for attr, (owner, name, value) in resolved.items():
+    for target, (owner, name, value) in resolved.items():
         slot = _registry.get((id(owner), name))
-        originals[attr] = value if slot is None else slot.raw
+        originals[target.attribute] = value if slot is None else slot.raw
     drift = impl.structural_check(originals)
     if drift:
         return Record(fix.id, TARGET_CHANGED, fix.dist, version, fix.affected, drift)
 
     done: list[_Slot] = []
     try:
-        for target in fix.targets:
-            owner, name, _ = resolved[target.attribute]
+        for target, (owner, name, _) in resolved.items():
             slot = _registry.get((id(owner), name))
             if slot is None:
                 slot = _registry[(id(owner), name)] = _Slot(owner, name)
@@ -242,7 +260,7 @@ def _install(fix: catalogue.Fix, version: str) -> Record:
             _remove_layer(slot, fix.id)
         raise
     _installed[fix.id] = done
-    where = ", ".join(f"{t.module}.{t.attribute}" for t in fix.targets)
+    where = ", ".join(f"{t.module}.{t.attribute}" for t in resolved)
     return Record(fix.id, APPLIED, fix.dist, version, fix.affected,
                   f"{fix.dist} {version} is in the affected range {fix.affected}; wrapped {where}")
 
@@ -259,10 +277,14 @@ def unpatch(fixes=None) -> None:
     selected, _ = select(fixes)
     with _lock:
         for fix_id in selected:
-            _enabled.pop(fix_id, None)
-            for slot in reversed(_installed.pop(fix_id, [])):
-                _remove_layer(slot, fix_id)
+            _disable(fix_id)
             _records.pop(fix_id, None)
+
+
+def _disable(fix_id: str) -> None:
+    _enabled.pop(fix_id, None)
+    for slot in reversed(_installed.pop(fix_id, [])):
+        _remove_layer(slot, fix_id)
 
 
 # ----------------------------------------------------------------------------- status

@@ -11,6 +11,7 @@ Loop styles (2 windows unless noted):
   c  (a) with set_gradient_accumulation_boundary(i == last) before each backward (open-instruct's fix)
   d  3 backwards then step()
   e  (a) with gradient clipping on
+  f  (b) with gradient clipping on
   short  an epoch of 10 micro-batches in windows of 4: the last window has 2 (config GAS=1)
 With config GAS=1 the loop divides each loss by its window's length itself (as open-instruct does);
 with config GAS=K DeepSpeed divides by K (``scale_wrt_gas``), whatever the window's length. A cell with
@@ -22,7 +23,8 @@ from typing import NamedTuple
 
 from zerofix.patching import version_in_range
 
-STYLES = ("a", "b", "c", "d", "e", "short")
+STYLES = ("a", "b", "c", "d", "e", "f", "short")
+OWN_STYLES = ("b", "f")  # backward + step() per micro-batch
 CORRECT, LAST, NOOP, DOUBLE, TRIPLE, ERROR = "correct", "last", "noop", "double", "triple", "error"
 EXTRA_DIVISIONS = {DOUBLE: 1, TRIPLE: 2}  # how many more times than meant each loss is divided by GAS
 
@@ -38,6 +40,7 @@ class Cell(NamedTuple):
     scale_wrt_gas: bool = True  # False: the loop divides by GAS and passes scale_wrt_gas=False
     windows: int = 2  # how many windows (styles a-e)
     repeat: bool = False  # every window trains on the first window's samples (a loss curve that can fall)
+    probe: bool = False  # record every observable (zerofix.check.scenarios.ds_accumulation.Probe)
 
     @property
     def name(self) -> str:
@@ -47,12 +50,17 @@ class Cell(NamedTuple):
         scaled = "" if self.scale_wrt_gas else "-selfscaled"
         windows = "" if self.windows == 2 else f"-w{self.windows}"
         repeat = "-repeat" if self.repeat else ""
+        probe = "-probe" if self.probe else ""
         return (f"z{self.stage}{overlap}-gas{self.gas}-{self.style}-{self.optimizer}{resume}{logits}{scaled}"
-                f"{windows}{repeat}")
+                f"{windows}{repeat}{probe}")
 
     @property
     def clip(self) -> float:
-        return CLIP if self.style == "e" else 0.0
+        return CLIP if self.style in ("e", "f") else 0.0
+
+    @property
+    def own_style(self) -> bool:
+        return self.style in OWN_STYLES
 
 
 CLIP = 0.05  # below every window's gradient norm in these cells, so clipping is active
@@ -70,14 +78,14 @@ def ops(cell: Cell) -> list[tuple]:
     out, m = [], 0
     for length in window_lengths(cell):
         m = 0 if cell.repeat else m
-        divisor = (length if cell.gas == 1 and cell.style != "b" else 1) * (1 if cell.scale_wrt_gas else cell.gas)
+        divisor = (length if cell.gas == 1 and not cell.own_style else 1) * (1 if cell.scale_wrt_gas else cell.gas)
         for i in range(length):
             explicit = (i == length - 1) if cell.style == "c" else None
             out.append(("backward", m, divisor, explicit))
             m += 1
-            if cell.style == "b":
+            if cell.own_style:
                 out.append(("step", i == length - 1))
-        if cell.style != "b":
+        if not cell.own_style:
             out.append(("step", True))
     return out
 
@@ -95,7 +103,7 @@ def updates(cell: Cell, semantics: str = CORRECT) -> list[list[list[tuple[int, f
         m += length
         if semantics == NOOP:
             result.append([])
-        elif cell.style == "b" and cell.gas == 1:
+        elif cell.own_style and cell.gas == 1:
             result.append([[(s, 1.0)] for s in steps])
         else:
             divisor = (length if cell.gas == 1 else 1) * cell.gas ** (1 + EXTRA_DIVISIONS.get(semantics, 0))
@@ -119,6 +127,34 @@ def matrix(optimizers=("sgd", "adamw")) -> list[Cell]:
     stages = [(0, False), (1, False), (2, False), (2, True), (3, False)]
     return [Cell(stage, gas, style, opt, overlap) for stage, overlap in stages for gas in (1, 4)
             for style in "abcde" for opt in optimizers]
+
+
+def transparency_matrix() -> list[Cell]:
+    """Every loop DeepSpeed gets right by itself, probed: its own style (backward + step per micro-batch)
+    at config GAS 1 and 4, ZeRO 0-3 with overlap_comm off/on, SGD and AdamW, with and without clipping,
+    and manual accumulation where the stage accumulates by itself (ZeRO-0/3 at config GAS=1). zerofix
+    must leave every observable of these as DeepSpeed makes it."""
+    stages = [(0, False), (1, False), (1, True), (2, False), (2, True), (3, False)]
+    own = [Cell(stage, gas, "b", opt, overlap, probe=True) for stage, overlap in stages for gas in (1, 4)
+           for opt in ("sgd", "adamw")]
+    clipped = [Cell(stage, 4, "f", "sgd", overlap, probe=True) for stage, overlap in stages]
+    accumulating = [Cell(stage, 1, "a", "sgd", probe=True) for stage in (0, 3)]
+    return own + clipped + accumulating
+
+
+def takeover_probes() -> list[Cell]:
+    """Manual accumulation where zerofix takes over, probed: a gradient read before step() must be the
+    window's mean gradient (DeepSpeed's own style reads it so). ZeRO-0's reads are local, in DeepSpeed
+    and with zerofix (no collective is added to a read that has none)."""
+    return [Cell(stage, gas, "a", "sgd", probe=True) for stage in (1, 2, 3) for gas in (1, 4)
+            if zerofix_takes_over(Cell(stage, gas, "a"))]
+
+
+def zerofix_takes_over(cell: Cell) -> bool:
+    """Whether deepspeed-manual-accumulation reduces the cell's windows itself: several unflagged backwards
+    per step(), where DeepSpeed does not accumulate them by itself (ZeRO-0/3 at config GAS=1 do)."""
+    manual = cell.style in ("a", "d", "e", "short")
+    return manual and not (cell.gas == 1 and cell.stage in (0, 3))
 
 
 def output_hook_divides_twice(cell: Cell, deepspeed_version: str) -> bool:

@@ -144,6 +144,9 @@ def ds_accumulation(out_dir, cells, *, nproc: int = 2, variants=("unpatched", "p
                 "norms": [r["cells"][variant][cell.name]["norms"] for r in records],
                 "runtime": [r["cells"][variant][cell.name]["runtime"] for r in records],
                 "errors": [r["cells"][variant][cell.name].get("error") for r in records],
+                "events": [r["cells"][variant][cell.name].get("events") for r in records],
+                "window_reads": (torch.load(out_dir / variant / f"{cell.name}.reads.pt")
+                                 if (out_dir / variant / f"{cell.name}.reads.pt").exists() else None),
             }
             for cell in cells
         }

@@ -6,10 +6,17 @@ in step()) or from ``set_gradient_accumulation_boundary``. A manual loop breaks 
 every backward is a boundary and ZeRO-1/2 keep only the last micro-batch (>= 0.17.6); with config GAS=K
 and N != K backwards per step(), step() silently does nothing until DeepSpeed's own count reaches K.
 
-The fix is a *lazy boundary*: every backward the user did not flag explicitly runs as non-boundary;
-step() asks the shared counter (zerofix.counter) whether it closes a window and, if so, performs the
-reduction a boundary backward would have performed, with the flag set, and lets DeepSpeed step. A
-step() after exactly one backward follows DeepSpeed's own schedule. Backwards the user flagged with
+The fix is a *lazy boundary*, taken only where DeepSpeed's schedule cannot describe the loop
+(zerofix.counter decides): while an engine sees one backward per step() (DeepSpeed's own style, at any
+config GAS) every backward and step() run exactly as DeepSpeed runs them. Once a second backward arrives
+before a step() on an engine where DeepSpeed gets that wrong (ZeRO-1/2 at config GAS=1, any stage at
+config GAS > 1), every backward the user did not flag explicitly runs as non-boundary, and the window is
+reduced as a boundary backward would have reduced it: at step(), or earlier when the user reads the
+gradient (``safe_get_full_grad``, ``safe_set_full_grad``, ``safe_update_full_grad_vectorized``), so a
+read between the last backward and step() sees the window's mean gradient, as DeepSpeed's own style
+does. Where a reduction of the window already ran (the first window's first backward at config GAS=1,
+or a read followed by more backwards), ZeRO-1/2 would *replace* it at the next reduction: zerofix keeps
+a copy of this rank's reduced partition and adds it back. Backwards the user flagged with
 ``set_gradient_accumulation_boundary`` (open-instruct's fix, Accelerate's DeepSpeedEngineWrapper) are
 left to DeepSpeed entirely, so nothing is reduced twice. Loss scaling stays DeepSpeed's.
 
@@ -25,7 +32,7 @@ from __future__ import annotations
 import weakref
 
 from zerofix._log import log
-from zerofix.counter import FLUSH, MicroStepCounter, StepPlan
+from zerofix.counter import FLUSH, FOLLOW, PASS, MicroStepCounter, StepPlan
 from zerofix.fixes import _deepspeed_backward
 
 FIX_ID = "deepspeed-manual-accumulation"
@@ -37,6 +44,7 @@ _STATE_KEY = "_zerofix_accumulation"  # lives in engine.__dict__: no nn.Module._
 # to the optimizer when a backward starts, so the engine's copy is the one to set for a backward.
 _FLAG = "_is_gradient_accumulation_boundary"
 _engines: weakref.WeakSet = weakref.WeakSet()
+_unreduced: weakref.WeakSet = weakref.WeakSet()  # engines holding lazily accumulated, un-reduced gradients
 
 
 def structural_check(targets) -> str | None:
@@ -59,13 +67,17 @@ def structural_check(targets) -> str | None:
 
 # ----------------------------------------------------------------------------- per-engine state
 class _EngineState:
-    __slots__ = ("counter", "stage", "eligible", "reason", "warned", "__weakref__")
+    __slots__ = ("counter", "stage", "eligible", "reason", "warned", "carried", "param_ids", "__weakref__")
 
     def __init__(self, engine):
-        self.counter = MicroStepCounter()
         self.stage = int(engine.zero_optimization_stage())
+        # ZeRO-0/3 at config GAS=1 reduce every backward and accumulate the results: right by themselves
+        upstream_accumulates = self.stage in (0, 3) and engine.gradient_accumulation_steps() == 1
+        self.counter = MicroStepCounter(upstream_accumulates=upstream_accumulates)
         self.eligible, self.reason = _eligibility(engine, self.stage)
         self.warned: list[str] = []
+        self.carried = None  # ZeRO-1/2: this rank's reduced partition of the window, kept for the flush
+        self.param_ids = frozenset(id(p) for p in engine.module.parameters())  # for the read wrappers
 
     def warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self.warned:
@@ -130,17 +142,25 @@ def backward(wrapped, engine, args, kwargs):
     if not state.eligible:
         return wrapped(*args, **kwargs)
     explicit = flags[_FLAG]
-    if explicit is None:
-        flags[_FLAG] = False  # lazy: the step() decides whether this window ends
+    counter = state.counter
+    plan = counter.plan_backward(explicit_boundary=explicit)
+    if plan.mode == FOLLOW:  # DeepSpeed's own schedule or the user's flag: exactly what DeepSpeed does
+        boundary = explicit if explicit is not None else engine.is_gradient_accumulation_boundary()
+        result = wrapped(*args, **kwargs)
+    else:
+        if plan.carry and state.stage in (1, 2):
+            state.carried = _partition_copy(engine.optimizer)  # the next reduction replaces it
+        boundary = False
+        flags[_FLAG] = False  # lazy: step() (or a gradient read) reduces the window
         try:
             result = wrapped(*args, **kwargs)
         finally:
             flags[_FLAG] = None  # back to DeepSpeed's schedule
-    else:
-        result = wrapped(*args, **kwargs)
+        if state.stage in (1, 2):  # ZeRO-0/3 reads are right (0: local, as DeepSpeed's) without a flush
+            _unreduced.add(engine)
     scaled = _deepspeed_backward.scale_wrt_gas(args, kwargs)
-    discarding = state.counter.backward(explicit_boundary=explicit,
-                                        divisor=engine.gradient_accumulation_steps() if scaled else 1)
+    discarding = counter.backward(explicit_boundary=explicit, mode=plan.mode, boundary=boundary,
+                                  divisor=engine.gradient_accumulation_steps() if scaled else 1)
     if discarding and state.stage in (1, 2):
         state.warn_once("discard", "%s: backward() after a backward flagged with set_gradient_accumulation_"
                         "boundary(True) and before step(): DeepSpeed ZeRO-%d keeps only the gradients from "
@@ -158,14 +178,15 @@ def step(wrapped, engine, args, kwargs):
     explicit = flags[_FLAG]
     schedule = explicit is None and engine.is_gradient_accumulation_boundary()
     plan = counter.plan_step(explicit_boundary=explicit, schedule_boundary=schedule)
-    if plan.action != FLUSH:
+    if plan.action == PASS:
         result = wrapped(*args, **kwargs)
         counter.stepped(plan)
         return result
     _warn_scale(state, plan)
     engine.set_gradient_accumulation_boundary(True)  # the public call: the optimizer's copy matters here
     try:
-        _reduce_as_boundary(engine, state.stage)
+        if plan.action == FLUSH:
+            _reduce_window(engine, state)
         result = wrapped(*args, **kwargs)
     finally:
         flags[_FLAG] = None
@@ -181,6 +202,65 @@ def _warn_scale(state: _EngineState, plan: StepPlan) -> None:
                         "window's mean-loss gradient. Set gradient_accumulation_steps to the number of "
                         "backwards per step(), or pass scale_wrt_gas=False and divide the loss yourself.",
                         FIX_ID, plan.micro_batches, divisor, plan.micro_batches, divisor)
+
+
+def read_grad(wrapped, instance, args, kwargs):
+    """``safe_get_full_grad`` / ``safe_set_full_grad`` / ``safe_update_full_grad_vectorized``: reduce a
+    lazily accumulated window first, so the read sees what DeepSpeed's own boundary would have left.
+    These reads are collectives under ZeRO-1/2 already (an all_reduce per parameter), so every rank
+    reaches the reduction together; ZeRO-0 reads are local and never reduce here (DeepSpeed's own
+    behaviour for them), ZeRO-3 reduces every backward. One truthiness test when nothing is pending."""
+    if _unreduced:
+        params = args[0] if args else kwargs.get("param", kwargs.get("param_list", ()))
+        ids = {id(p) for p in params} if isinstance(params, (list, tuple)) else {id(params)}
+        for engine in list(_unreduced):
+            state = engine.__dict__.get(_STATE_KEY)
+            if state is not None and not ids.isdisjoint(state.param_ids):
+                _flush_for_read(engine, state)
+    return wrapped(*args, **kwargs)
+
+
+def save_checkpoint(wrapped, engine, args, kwargs):
+    """A checkpoint holds parameters and optimizer state, not the gradients of a window in progress:
+    say so on every rank when zerofix is accumulating one (DeepSpeed's own style loses them too)."""
+    state = engine.__dict__.get(_STATE_KEY)
+    if state is not None and state.eligible and state.counter.manual and state.counter.pending:
+        log("warning", "%s: save_checkpoint() in the middle of an accumulation window: the %d micro-batch(es) "
+            "accumulated since the last step() are not in the checkpoint, and a run resumed from it will not "
+            "apply them. Save right after step() to resume exactly.", FIX_ID, state.counter.pending)
+    return wrapped(*args, **kwargs)
+
+
+def _flush_for_read(engine, state: _EngineState) -> None:
+    flags = engine.__dict__
+    engine.set_gradient_accumulation_boundary(True)
+    try:
+        _reduce_window(engine, state)
+    finally:
+        flags[_FLAG] = None
+    state.counter.flushed_for_read()
+
+
+def _reduce_window(engine, state: _EngineState) -> None:
+    """The boundary reduction of the lazily accumulated backwards, plus what an earlier reduction of the
+    same window left (ZeRO-1/2 assign the reduced partition; ZeRO-0 re-averages the already averaged
+    part unchanged; ZeRO-3 accumulates by itself)."""
+    _unreduced.discard(engine)
+    _reduce_as_boundary(engine, state.stage)
+    if state.carried is not None:
+        _add_partition(engine.optimizer, state.carried)
+        state.carried = None
+
+
+def _partition_copy(opt) -> dict:
+    """This rank's reduced gradient partition of every parameter group (what the read API returns)."""
+    return {i: [t.clone() for t in grads] for i, grads in opt.averaged_gradients.items() if grads is not None}
+
+
+def _add_partition(opt, saved: dict) -> None:
+    for i, grads in saved.items():
+        for current, kept in zip(opt.averaged_gradients[i], grads):
+            current.add_(kept)
 
 
 def _reduce_as_boundary(engine, stage: int) -> None:

@@ -70,9 +70,131 @@ def grad_norm(engine):
     return None if norm is None else float(norm)
 
 
+# ----------------------------------------------------------------------------- observables (probe cells)
+# Every torch.distributed collective, counted at the torch level: installed by main() before DeepSpeed
+# is imported (it may keep references to these functions).
+COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+               "_reduce_scatter_base", "all_gather", "all_gather_into_tensor", "_all_gather_base",
+               "broadcast", "all_to_all_single", "barrier")
+_collectives: list = []
+
+
+def count_collectives() -> None:
+    import torch.distributed as dist
+
+    def counting(name, fn):
+        def counted(*args, **kwargs):
+            tensor = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            _collectives.append(f"{name}:{tensor.numel() if tensor is not None else 0}")
+            return fn(*args, **kwargs)
+        return counted
+
+    for name in COLLECTIVES:
+        for module in (dist, dist.distributed_c10d):
+            if hasattr(module, name):
+                setattr(module, name, counting(name, getattr(module, name)))
+
+
+def digest(value) -> str:
+    """Bitwise identity of a tensor (dtype, shape, bytes), or of every tensor inside a container."""
+    import hashlib
+
+    h = hashlib.sha1()
+
+    def visit(v):
+        if isinstance(v, torch.Tensor):
+            t = v.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(v, dict):
+            for k in sorted(v, key=str):
+                h.update(str(k).encode())
+                visit(v[k])
+        elif isinstance(v, (list, tuple)):
+            for item in v:
+                visit(item)
+        else:
+            h.update(repr(v).encode() if isinstance(v, (int, float, bool, str, type(None))) else b"?")
+
+    visit(value)
+    return h.hexdigest()[:20]
+
+
+class Probe:
+    """What a user can observe of an engine, recorded op by op: the boundary flag before each backward,
+    the value backward() returns, a full gradient read of every parameter after each backward
+    (``safe_get_full_grad``, or the error it raises), micro_steps / global_steps / lr / grad norm after
+    each step(), the collectives each op issued, and a checkpoint's tensors after the first window."""
+
+    def __init__(self, engine, read_always: bool):
+        self.engine = engine
+        # ZeRO-1/2 gradients can be read only right after a boundary backward: elsewhere DeepSpeed raises on
+        # the ranks that own a fragment and all_reduces on the others, and the ranks' collectives diverge.
+        # ZeRO-0/3 reads are fine at every micro-step. ``read_always``: from the second backward before a
+        # step() on, where zerofix knows the loop accumulates by hand and makes every read right.
+        self.anywhere = engine.zero_optimization_stage() in (0, 3)
+        self.read_always = read_always
+        self.since_step = 0
+        self.events: list = []
+        self.last_read = None  # the read after the latest backward, full tensors (the reference check)
+
+    def collectives(self) -> list:
+        seen = list(_collectives)
+        _collectives.clear()
+        return seen
+
+    def backward(self, loss, **kwargs):
+        boundary = bool(self.engine.is_gradient_accumulation_boundary())
+        self.collectives()
+        returned = self.engine.backward(loss, **kwargs)
+        comm = self.collectives()
+        self.since_step += 1
+        readable = boundary or self.anywhere or (self.read_always and self.since_step >= 2)
+        reads = self.read() if readable else None
+        self.events.append({"op": "backward", "boundary": boundary, "returned": digest(returned),
+                            "reads": reads, "collectives": comm, "read_collectives": self.collectives()})
+
+    def read(self):
+        from deepspeed.utils import safe_get_full_grad
+
+        grads = {}
+        try:
+            for name, p in self.engine.module.named_parameters():
+                g = safe_get_full_grad(p)
+                grads[name] = None if g is None else g.detach().clone().double()
+        except Exception as exc:  # noqa: BLE001 - DeepSpeed refuses some reads: that is an observable
+            self.last_read = None
+            return f"{type(exc).__name__}: {exc}"
+        self.last_read = grads
+        return digest(grads)
+
+    def step(self):
+        engine = self.engine
+        self.collectives()
+        self.since_step = 0
+        with torch.no_grad():
+            returned = engine.step()
+        norm = engine.get_global_grad_norm()
+        self.events.append({"op": "step", "returned": digest(returned), "micro_steps": engine.micro_steps,
+                            "global_steps": engine.global_steps, "lr": digest(engine.get_lr()),
+                            "norm": digest(norm), "collectives": self.collectives()})
+
+    def checkpoint(self, directory: Path):
+        import torch.distributed as dist
+
+        self.engine.save_checkpoint(str(directory), tag="probe")
+        dist.barrier()
+        files = sorted(p for p in (directory / "probe").rglob("*.pt"))
+        self.events.append({"op": "checkpoint", "files": {p.name: digest(torch.load(p, weights_only=False))
+                                                          for p in files}})
+        self.collectives()
+
+
 def run_cell(cell, init_state, rank, world, checkpoint_dir: Path) -> dict:
     engine = build_engine(cell, init_state)
-    snapshots, norms = [], []
+    # patched manual loops: zerofix makes a read after every backward right (the takeover probes)
+    probe = Probe(engine, read_always=_zerofix_active() and not cell.own_style) if cell.probe else None
+    snapshots, norms, window_reads = [], [], []
     windows_done = 0
     for op in accumulation.ops(cell):
         if op[0] == "backward":
@@ -81,19 +203,27 @@ def run_cell(cell, init_state, rank, world, checkpoint_dir: Path) -> dict:
                 engine.set_gradient_accumulation_boundary(explicit)
             batch = models.collate(accumulation.sample_indices(micro_step, rank, world))
             loss = engine(**batch)["loss"] / divisor
-            if cell.scale_wrt_gas:
-                engine.backward(loss)
+            kwargs = {} if cell.scale_wrt_gas else {"scale_wrt_gas": False}
+            if probe is not None:
+                probe.backward(loss, **kwargs)
             else:
-                engine.backward(loss, scale_wrt_gas=False)
+                engine.backward(loss, **kwargs)
             continue
         applied_before = engine.global_steps
-        with torch.no_grad():  # ZeRO-1/2 step() of deepspeed 0.18.x on torch 2.13 CPU needs it
-            engine.step()
+        if probe is not None:
+            if op[1]:
+                window_reads.append(probe.last_read)
+            probe.step()
+        else:
+            with torch.no_grad():  # ZeRO-1/2 step() of deepspeed 0.18.x on torch 2.13 CPU needs it
+                engine.step()
         if engine.global_steps != applied_before:
             norms.append(grad_norm(engine))
         if op[1]:  # the window is complete
             snapshots.append(full_parameters(engine))
             windows_done += 1
+            if probe is not None and windows_done == 1:
+                probe.checkpoint(checkpoint_dir)
             if cell.resume and windows_done == 1:
                 engine.save_checkpoint(str(checkpoint_dir), tag="window1")
                 del engine
@@ -101,9 +231,20 @@ def run_cell(cell, init_state, rank, world, checkpoint_dir: Path) -> dict:
                 engine = build_engine(cell, models.build_model("custom", seed=2).state_dict())
                 engine.load_checkpoint(str(checkpoint_dir), tag="window1")
     runtime = _runtime(engine)
-    del engine
+    probe_events = probe.events if probe is not None else None
+    del engine, probe
     gc.collect()
-    return {"snapshots": snapshots, "norms": norms, "runtime": runtime}
+    result = {"snapshots": snapshots, "norms": norms, "runtime": runtime}
+    if cell.probe:
+        result.update(events=probe_events, window_reads=window_reads)
+    return result
+
+
+def _zerofix_active() -> bool:
+    import sys
+
+    patching = sys.modules.get("zerofix.patching")
+    return patching is not None and patching.is_applied(FIX)
 
 
 def _runtime(engine) -> dict:
@@ -125,6 +266,7 @@ def main() -> None:
                         "(default: every DeepSpeed fix of the catalogue)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    count_collectives()
     import deepspeed
     import torch.distributed as dist
 
@@ -163,8 +305,11 @@ def main() -> None:
             if rank == 0:
                 (out / variant).mkdir(parents=True, exist_ok=True)
                 torch.save(result.pop("snapshots"), out / variant / f"{cell.name}.pt")
+                if "window_reads" in result:
+                    torch.save(result.pop("window_reads"), out / variant / f"{cell.name}.reads.pt")
             else:
                 result.pop("snapshots")
+                result.pop("window_reads", None)
             results[cell.name] = result
             dist.barrier()
             if rank == 0 and checkpoint_dir.exists():
