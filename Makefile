@@ -6,8 +6,8 @@ PYTEST_ARGS ?=
 
 venv = .venvs/$(1)/.installed
 comma := ,
-# matplotlib (zerofix check --plot) only on the stacks whose tests draw the curves
-extras = deepspeed,hf,dev$(if $(filter latest 2026-04,$(1)),$(comma)plot)
+# matplotlib (zerofix check --plot) and accelerate's own tests' needs only on the stacks that run them
+extras = deepspeed,hf,dev$(if $(filter latest 2026-04,$(1)),$(comma)plot$(comma)upstream)
 
 .PHONY: check test venv clean bench bench-ds
 .PRECIOUS: .venvs/%/.installed

@@ -255,11 +255,12 @@ def main() -> None:
     report["collectives"] = {}
     for stage in (0, 1, 2, 3):
         boundary = window_collectives(stage, 4, "b", patched=False)
-        # ZeRO-0/3 at config GAS=1 accumulate by themselves (zerofix follows them): config GAS=4 there
-        lazy = window_collectives(stage, 4 if stage in (0, 3) else 1, "a", patched=True)
+        # config GAS=4: taken over on every stage and release (at config GAS=1 zerofix follows the stages
+        # that accumulate by themselves)
+        lazy = window_collectives(stage, 4, "a", patched=True)
         last_only = window_collectives(stage, 1, "a", patched=False)
         report["collectives"][f"ZeRO-{stage}"] = {"deepspeed boundary (GAS=4, own style)": boundary,
-                                                  "zerofix lazy boundary (4 backwards + step)": lazy,
+                                                  "zerofix lazy boundary (GAS=4, 4 backwards + step)": lazy,
                                                   "unpatched GAS=1, 4 backwards + step": last_only}
     if rank == 0:
         print(json.dumps(report, indent=1))

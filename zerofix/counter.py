@@ -13,7 +13,8 @@ and step() passes through; the reduction happens where DeepSpeed puts it, so eve
 between backward and step() is DeepSpeed's own. The counter takes over (LAZY: every backward runs as
 non-boundary, the window is reduced at step() or at the first gradient read) only once it has *seen*
 a second backward before a step(), on an engine where DeepSpeed gets that wrong: ZeRO-1/2 at config
-GAS=1, every stage at config GAS > 1. ZeRO-0/3 at config GAS=1 accumulate correctly by themselves.
+GAS=1 (from deepspeed 0.17.6), every stage at config GAS > 1. ZeRO-0/3 at config GAS=1, and ZeRO-1/2
+before 0.17.6, accumulate correctly by themselves.
 
 The first window of a manual loop may have run its first backward as DeepSpeed's boundary (config GAS=1)
 before the counter could know. That backward's reduction is kept: the counter reports ``reduced`` and
@@ -54,7 +55,7 @@ class MicroStepCounter:
     """Counts one engine's micro-steps and plans its backward() and step() calls.
 
     ``upstream_accumulates``: the engine applies several backwards per step() correctly by itself
-    (ZeRO-0/3 at config GAS=1), so a manual loop is followed, never taken over."""
+    (ZeRO-0/3 at config GAS=1; ZeRO-1/2 too before deepspeed 0.17.6), so a manual loop is followed."""
 
     __slots__ = ("upstream_accumulates", "manual", "since_step", "pending", "unreduced", "reduced",
                  "divisors", "boundary_in_window", "windows", "flushes", "read_flushes", "steps",

@@ -129,32 +129,35 @@ def matrix(optimizers=("sgd", "adamw")) -> list[Cell]:
             for style in "abcde" for opt in optimizers]
 
 
-def transparency_matrix() -> list[Cell]:
+def transparency_matrix(deepspeed_version: str) -> list[Cell]:
     """Every loop DeepSpeed gets right by itself, probed: its own style (backward + step per micro-batch)
     at config GAS 1 and 4, ZeRO 0-3 with overlap_comm off/on, SGD and AdamW, with and without clipping,
-    and manual accumulation where the stage accumulates by itself (ZeRO-0/3 at config GAS=1). zerofix
-    must leave every observable of these as DeepSpeed makes it."""
+    and manual accumulation where the stage accumulates by itself (config GAS=1: ZeRO-0/3, and ZeRO-1/2
+    before 0.17.6). zerofix must leave every observable of these as DeepSpeed makes it."""
     stages = [(0, False), (1, False), (1, True), (2, False), (2, True), (3, False)]
     own = [Cell(stage, gas, "b", opt, overlap, probe=True) for stage, overlap in stages for gas in (1, 4)
            for opt in ("sgd", "adamw")]
     clipped = [Cell(stage, 4, "f", "sgd", overlap, probe=True) for stage, overlap in stages]
-    accumulating = [Cell(stage, 1, "a", "sgd", probe=True) for stage in (0, 3)]
+    accumulating = [Cell(stage, 1, "a", "sgd", probe=True) for stage in (0, 1, 2, 3)
+                    if not zerofix_takes_over(Cell(stage, 1, "a"), deepspeed_version)]
     return own + clipped + accumulating
 
 
-def takeover_probes() -> list[Cell]:
+def takeover_probes(deepspeed_version: str) -> list[Cell]:
     """Manual accumulation where zerofix takes over, probed: a gradient read before step() must be the
     window's mean gradient (DeepSpeed's own style reads it so). ZeRO-0's reads are local, in DeepSpeed
     and with zerofix (no collective is added to a read that has none)."""
     return [Cell(stage, gas, "a", "sgd", probe=True) for stage in (1, 2, 3) for gas in (1, 4)
-            if zerofix_takes_over(Cell(stage, gas, "a"))]
+            if zerofix_takes_over(Cell(stage, gas, "a"), deepspeed_version)]
 
 
-def zerofix_takes_over(cell: Cell) -> bool:
+def zerofix_takes_over(cell: Cell, deepspeed_version: str) -> bool:
     """Whether deepspeed-manual-accumulation reduces the cell's windows itself: several unflagged backwards
-    per step(), where DeepSpeed does not accumulate them by itself (ZeRO-0/3 at config GAS=1 do)."""
+    per step(), where DeepSpeed does not accumulate them by itself (at config GAS=1, ZeRO-0/3 do, and
+    ZeRO-1/2 before 0.17.6, whose epilogue adds every boundary's reduction)."""
     manual = cell.style in ("a", "d", "e", "short")
-    return manual and not (cell.gas == 1 and cell.stage in (0, 3))
+    accumulates = cell.stage in (0, 3) or not version_in_range(deepspeed_version, ">=0.17.6")
+    return manual and not (cell.gas == 1 and accumulates)
 
 
 def output_hook_divides_twice(cell: Cell, deepspeed_version: str) -> bool:

@@ -67,12 +67,17 @@ def structural_check(targets) -> str | None:
 
 # ----------------------------------------------------------------------------- per-engine state
 class _EngineState:
-    __slots__ = ("counter", "stage", "eligible", "reason", "warned", "carried", "param_ids", "__weakref__")
+    __slots__ = ("counter", "stage", "replaces", "eligible", "reason", "warned", "carried", "param_ids",
+                 "__weakref__")
 
     def __init__(self, engine):
         self.stage = int(engine.zero_optimization_stage())
-        # ZeRO-0/3 at config GAS=1 reduce every backward and accumulate the results: right by themselves
-        upstream_accumulates = self.stage in (0, 3) and engine.gradient_accumulation_steps() == 1
+        # ZeRO-1/2 from deepspeed 0.17.6 (the all_grad_tensors accumulator) *assign* the reduced partition at
+        # a boundary; before, the epilogue added every reduction to it.
+        self.replaces = self.stage in (1, 2) and hasattr(engine.optimizer, "all_grad_tensors")
+        # At config GAS=1 every backward is a boundary: ZeRO-0/3, and ZeRO-1/2 while the epilogue adds,
+        # reduce each one and accumulate the results, which is right by itself.
+        upstream_accumulates = engine.gradient_accumulation_steps() == 1 and not self.replaces
         self.counter = MicroStepCounter(upstream_accumulates=upstream_accumulates)
         self.eligible, self.reason = _eligibility(engine, self.stage)
         self.warned: list[str] = []
@@ -148,7 +153,7 @@ def backward(wrapped, engine, args, kwargs):
         boundary = explicit if explicit is not None else engine.is_gradient_accumulation_boundary()
         result = wrapped(*args, **kwargs)
     else:
-        if plan.carry and state.stage in (1, 2):
+        if plan.carry and state.replaces:
             state.carried = _partition_copy(engine.optimizer)  # the next reduction replaces it
         boundary = False
         flags[_FLAG] = False  # lazy: step() (or a gradient read) reduces the window
@@ -183,13 +188,10 @@ def step(wrapped, engine, args, kwargs):
         counter.stepped(plan)
         return result
     _warn_scale(state, plan)
-    engine.set_gradient_accumulation_boundary(True)  # the public call: the optimizer's copy matters here
-    try:
+    with _as_boundary(engine):
         if plan.action == FLUSH:
             _reduce_window(engine, state)
         result = wrapped(*args, **kwargs)
-    finally:
-        flags[_FLAG] = None
     counter.stepped(plan)
     return result
 
@@ -232,19 +234,31 @@ def save_checkpoint(wrapped, engine, args, kwargs):
 
 
 def _flush_for_read(engine, state: _EngineState) -> None:
-    flags = engine.__dict__
-    engine.set_gradient_accumulation_boundary(True)
-    try:
+    with _as_boundary(engine):
         _reduce_window(engine, state)
-    finally:
-        flags[_FLAG] = None
     state.counter.flushed_for_read()
+
+
+class _as_boundary:
+    """The engine's boundary flag set for the block (the public call: the optimizer's copy matters to the
+    reduction and to step()), DeepSpeed's schedule again after it."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __enter__(self):
+        self.engine.set_gradient_accumulation_boundary(True)
+
+    def __exit__(self, *exc):
+        self.engine.__dict__[_FLAG] = None
 
 
 def _reduce_window(engine, state: _EngineState) -> None:
     """The boundary reduction of the lazily accumulated backwards, plus what an earlier reduction of the
-    same window left (ZeRO-1/2 assign the reduced partition; ZeRO-0 re-averages the already averaged
-    part unchanged; ZeRO-3 accumulates by itself)."""
+    same window left (ZeRO-1/2 from 0.17.6 assign the reduced partition; earlier ones add to it; ZeRO-0
+    re-averages the already averaged part unchanged; ZeRO-3 accumulates by itself)."""
     _unreduced.discard(engine)
     _reduce_as_boundary(engine, state.stage)
     if state.carried is not None:

@@ -1,0 +1,77 @@
+"""accelerate's own test suite as a peer: the same outcome for every test with and without zerofix.
+
+accelerate's sdist ships its tests. This downloads the pinned release's sdist with pip (nothing of it is
+kept in this repository) and runs the CPU-runnable files about accumulation, backward, optimizers,
+schedulers and checkpointing twice, in fresh interpreters: without zerofix, and with ``ZEROFIX=1``. A
+small plugin imports ``transformers.trainer``, ``deepspeed`` and TRL's SFT trainer first in both runs, so that every fix in
+range for the stack is really applied under accelerate's tests (``Accelerator.backward`` is wrapped on
+2026-04), and writes what ``zerofix.status()`` says. Every test's outcome must be identical.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+import xml.etree.ElementTree as ET
+from importlib import metadata
+
+import pytest
+
+pytestmark = [pytest.mark.distributed, pytest.mark.stack("latest", "2026-04")]
+
+SUITE = ("tests/test_grad_sync.py", "tests/test_optimizer.py", "tests/test_state_checkpointing.py",
+         "tests/test_scheduler.py", "tests/test_accelerator.py")
+PLUGIN = """
+import json, os
+import transformers.trainer, deepspeed, trl.trainer.sft_trainer  # noqa: F401 - every fix's modules imported
+import zerofix
+
+def pytest_sessionfinish(session):
+    with open(os.environ["ZEROFIX_PEER_STATUS"], "w") as f:
+        json.dump({r.id: r.state for r in zerofix.status()}, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    version = metadata.version("accelerate")
+    where = tmp_path_factory.mktemp("accelerate-sdist")
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                           f"accelerate=={version}", "-d", str(where)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (sdist,) = where.glob("accelerate-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        archive.extractall(where, filter="data")
+    (where / "zerofix_peer_plugin.py").write_text(PLUGIN)
+    return where / f"accelerate-{version}", where
+
+
+def outcomes(root, plugin_dir, tmp_path, label, env_extra) -> tuple[dict, dict]:
+    import os
+
+    junit, status = tmp_path / f"{label}.xml", tmp_path / f"{label}-status.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROFIX")}
+    env.update({"PYTHONPATH": str(plugin_dir), "ZEROFIX_PEER_STATUS": str(status), "CUDA_VISIBLE_DEVICES": "",
+                **env_extra})
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "zerofix_peer_plugin",
+                           f"--junitxml={junit}", *SUITE], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        kinds = {child.tag for child in case}
+        outcome = next((k for k in ("failure", "error", "skipped") if k in kinds), "passed")
+        result[f"{case.get('classname')}::{case.get('name')}"] = outcome
+    return result, json.loads(status.read_text())
+
+
+def test_accelerate_suite_outcomes_are_identical_with_zerofix(suite, tmp_path):
+    root, plugin_dir = suite
+    without, states_off = outcomes(root, plugin_dir, tmp_path, "off", {})
+    with_zerofix, states_on = outcomes(root, plugin_dir, tmp_path, "on", {"ZEROFIX": "1"})
+    assert set(states_off.values()) <= {"inactive", "not-affected", "not-installed"}, states_off
+    in_range = {fix for fix, state in states_off.items() if state == "inactive"}
+    assert in_range and all(states_on[fix] == "applied" for fix in in_range), states_on
+    assert sum(outcome == "passed" for outcome in without.values()) >= 40, without  # the suite really ran
+    assert with_zerofix == without
