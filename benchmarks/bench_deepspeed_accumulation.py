@@ -27,27 +27,19 @@ import timeit
 import torch
 import torch.distributed as dist
 
+from zerofix.check.scenarios.ds_accumulation import count_collectives  # noqa: E402 - imports no DeepSpeed
+
 # Count collectives at the torch level, installed before DeepSpeed caches any of these functions.
-COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-               "_reduce_scatter_base", "all_gather", "all_gather_into_tensor", "_all_gather_base",
-               "broadcast", "all_to_all_single", "barrier")
 calls: collections.Counter = collections.Counter()
 elements: collections.Counter = collections.Counter()
 
 
-def _counting(name, fn):
-    def counted(*args, **kwargs):
-        calls[name] += 1
-        tensor = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        elements[name] += tensor.numel() if tensor is not None else 0
-        return fn(*args, **kwargs)
-    return counted
+def _count(name: str, numel: int) -> None:
+    calls[name] += 1
+    elements[name] += numel
 
 
-for _name in COLLECTIVES:
-    for _module in (dist, dist.distributed_c10d):
-        if hasattr(_module, _name):
-            setattr(_module, _name, _counting(_name, getattr(_module, _name)))
+count_collectives(_count)
 
 import deepspeed  # noqa: E402
 

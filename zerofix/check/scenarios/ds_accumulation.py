@@ -71,21 +71,25 @@ def grad_norm(engine):
 
 
 # ----------------------------------------------------------------------------- observables (probe cells)
-# Every torch.distributed collective, counted at the torch level: installed by main() before DeepSpeed
-# is imported (it may keep references to these functions).
+# Every torch.distributed collective, counted at the torch level: installed before DeepSpeed is imported
+# (it may keep references to these functions). Also benchmarks/bench_deepspeed_accumulation.py's counter.
 COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
                "_reduce_scatter_base", "all_gather", "all_gather_into_tensor", "_all_gather_base",
                "broadcast", "all_to_all_single", "barrier")
 _collectives: list = []
 
 
-def count_collectives() -> None:
+def count_collectives(record=None) -> None:
+    """Wrap every collective so that ``record(name, elements)`` sees each call (default: this module's
+    list of ``"name:elements"``, which the Probe reads op by op)."""
     import torch.distributed as dist
+
+    record = record or (lambda name, numel: _collectives.append(f"{name}:{numel}"))
 
     def counting(name, fn):
         def counted(*args, **kwargs):
             tensor = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
-            _collectives.append(f"{name}:{tensor.numel() if tensor is not None else 0}")
+            record(name, tensor.numel() if tensor is not None else 0)
             return fn(*args, **kwargs)
         return counted
 
