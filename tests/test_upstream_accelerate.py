@@ -47,17 +47,24 @@ def suite(tmp_path_factory):
     return where / f"accelerate-{version}", where
 
 
-def outcomes(root, plugin_dir, tmp_path, label, env_extra) -> tuple[dict, dict]:
+def start(root, plugin_dir, tmp_path, label, env_extra):
+    """Start the suite in a fresh interpreter; the two runs go side by side (2 cores, one each)."""
     import os
 
     junit, status = tmp_path / f"{label}.xml", tmp_path / f"{label}-status.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROFIX")}
     env.update({"PYTHONPATH": str(plugin_dir), "ZEROFIX_PEER_STATUS": str(status), "CUDA_VISIBLE_DEVICES": "",
                 **env_extra})
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "zerofix_peer_plugin",
-                           f"--junitxml={junit}", *SUITE], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                             "zerofix_peer_plugin", f"--junitxml={junit}", *SUITE], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, junit, status
+
+
+def outcomes(run) -> tuple[dict, dict]:
+    proc, junit, status = run
+    output, _ = proc.communicate(timeout=900)
+    assert proc.returncode in (0, 1), output[-5000:]
     result = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         kinds = {child.tag for child in case}
@@ -68,8 +75,10 @@ def outcomes(root, plugin_dir, tmp_path, label, env_extra) -> tuple[dict, dict]:
 
 def test_accelerate_suite_outcomes_are_identical_with_zerofix(suite, tmp_path):
     root, plugin_dir = suite
-    without, states_off = outcomes(root, plugin_dir, tmp_path, "off", {})
-    with_zerofix, states_on = outcomes(root, plugin_dir, tmp_path, "on", {"ZEROFIX": "1"})
+    off = start(root, plugin_dir, tmp_path, "off", {})
+    on = start(root, plugin_dir, tmp_path, "on", {"ZEROFIX": "1"})
+    without, states_off = outcomes(off)
+    with_zerofix, states_on = outcomes(on)
     assert set(states_off.values()) <= {"inactive", "not-affected", "not-installed"}, states_off
     in_range = {fix for fix, state in states_off.items() if state == "inactive"}
     assert in_range and all(states_on[fix] == "applied" for fix in in_range), states_on
