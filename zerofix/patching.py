@@ -90,6 +90,7 @@ _enabled: dict[str, bool] = {}  # fix id -> strict
 _records: dict[str, Record] = {}
 _installed: dict[str, list[_Slot]] = {}  # fix id -> the attributes it wraps
 _registry: dict[tuple[int, str], _Slot] = {}  # (id(owner), name) -> the raw value and its layers
+_reload_watched: set[tuple[str, str]] = set()  # (fix id, module) with a reload hook
 
 
 # ----------------------------------------------------------------------------- guards
@@ -173,7 +174,9 @@ def patch(fixes=None, exclude=(), *, strict: bool | None = None) -> None:
             )
             for module in fix.modules:
                 importhooks.when_imported(module, lambda m, fix_id=fix.id: _on_import(fix_id, m.__name__))
-                importhooks.when_reloaded(module, lambda m, fix_id=fix.id: _on_reload(fix_id))
+                if (fix.id, module) not in _reload_watched:  # once: patch/unpatch cycles add no twin
+                    _reload_watched.add((fix.id, module))
+                    importhooks.when_reloaded(module, lambda m, fix_id=fix.id: _on_reload(fix_id))
 
 
 def _on_import(fix_id: str, module: str | None = None) -> None:
