@@ -82,7 +82,8 @@ class _EngineState:
         self.eligible, self.reason = _eligibility(engine, self.stage)
         self.warned: list[str] = []
         self.carried = None  # ZeRO-1/2: this rank's reduced partition of the window, kept for the flush
-        self.param_ids = frozenset(id(p) for p in engine.module.parameters())  # for the read wrappers
+        # for the read wrappers, which reduce only ZeRO-1/2 windows
+        self.param_ids = frozenset(id(p) for p in engine.module.parameters()) if self.stage in (1, 2) else ()
 
     def warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self.warned:
