@@ -9,7 +9,12 @@ comma := ,
 # matplotlib (zerofix check --plot) and accelerate's own tests' needs only on the stacks that run them
 extras = deepspeed,hf,dev$(if $(filter latest 2026-04,$(1)),$(comma)plot$(comma)upstream)
 
-.PHONY: check test venv clean bench bench-ds
+# The fast tier: unit, contract and structure tests plus one small distributed smoke per mechanism (tests
+# marked smoke); the full tier adds every distributed matrix (marked distributed) and the slow rest (slow).
+FAST_TIER = -m "not (distributed or slow) or smoke"
+REST_OF_FULL_TIER = -m "(distributed or slow) and not smoke"
+
+.PHONY: check test test-all test-rest venv clean bench bench-ds
 .PRECIOUS: .venvs/%/.installed
 
 .venvs/%/.installed: constraints/%.txt setup.cfg setup.py
@@ -27,9 +32,17 @@ venv: $(call venv,$(STACK))
 check: $(call venv,$(CHECK_STACK))
 	.venvs/$(CHECK_STACK)/bin/zerofix check $(CHECK_ARGS) || echo "zerofix check exited with $$?: see the verdicts above"
 
-## The test suite on one stack (stack-specific regression tests select themselves).
+## The fast tier, after every change (under 3 minutes on 2 cores; stack-specific tests select themselves).
 test: $(call venv,$(STACK))
+	.venvs/$(STACK)/bin/python -m pytest -q -p no:cacheprovider $(FAST_TIER) $(PYTEST_ARGS)
+
+## The full tier on one stack: every test, every distributed matrix.
+test-all: $(call venv,$(STACK))
 	.venvs/$(STACK)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+## What test-all runs that test does not (CI runs test, then this, on the first stack).
+test-rest: $(call venv,$(STACK))
+	.venvs/$(STACK)/bin/python -m pytest -q -p no:cacheprovider $(REST_OF_FULL_TIER) $(PYTEST_ARGS)
 
 bench: $(call venv,$(STACK))
 	.venvs/$(STACK)/bin/python benchmarks/bench_overhead.py

@@ -78,6 +78,17 @@ def step(engine):
 
 
 # ----------------------------------------------------------------------------- 1. per call
+def as_applied(fix_id: str) -> None:
+    """The wrappers are bound here by hand, not by patch(): record what the fix's structural check finds on
+    this DeepSpeed (the wrappers read it from zerofix.applied), as patch() would."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from zerofix import applied
+    from zerofix.fixes import _deepspeed_backward
+
+    applied.mark_applied(fix_id, _deepspeed_backward.check(DeepSpeedEngine.backward).facts)
+
+
 def per_call_us() -> dict:
     import wrapt
 
@@ -93,6 +104,7 @@ def per_call_us() -> dict:
     def noop_step(self, lr_kwargs=None):
         return None
 
+    as_applied(fix.FIX_ID)
     wrapped_backward = wrapt.FunctionWrapper(noop_backward, fix.backward)
     wrapped_step = wrapt.FunctionWrapper(noop_step, fix.step)
     real_reduce = fix._reduce_as_boundary
@@ -163,6 +175,7 @@ def backport_per_call_us() -> dict:
     def noop_hook(self, grad):
         return grad
 
+    as_applied(scale.FIX_ID)
     pairs, saved = {}, {}
     if hasattr(opt, "all_grad_tensors"):  # the accumulator the fix guards (0.16.3 has none)
         saved = {i: (opt.all_grad_tensors.get(i), opt.averaged_gradients.get(i)) for i in groups}

@@ -46,7 +46,8 @@ def import_ms():
 def per_call_us():
     import types
 
-    from zerofix import catalogue, patching
+    from zerofix import applied, catalogue, patching
+    from zerofix.fixes import contract
     from zerofix.catalogue import Fix, Target
 
     class Engine:
@@ -57,18 +58,19 @@ def per_call_us():
     raw = min(timeit.repeat(lambda: raw_engine.step(1), number=100_000, repeat=5)) / 100_000 * 1e6
 
     impl = types.ModuleType("bench_passthrough")
-    impl.structural_check = lambda targets: None
+    impl.FIX_IDS = ("bench",)
+    impl.structural_check = lambda fix_id, targets: contract.found()
     impl.step = lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs)
     sys.modules["bench_passthrough"] = impl
     mod = types.ModuleType("bench_target")
     mod.Engine = Engine
     sys.modules["bench_target"] = mod
     saved = catalogue.FIXES
-    catalogue.FIXES = (Fix("bench", "bench", "pip", ">=0", (Target("bench_target", "Engine.step", "step"),),
+    catalogue.FIXES = (Fix("bench", "bench", "pip", ">=0", (Target("bench_target", "Engine.step", "bench_passthrough:step"),),
                            "bench_passthrough"),)
     try:
         patching.patch()
-        assert patching.is_applied("bench")
+        assert applied.is_applied("bench")
         wrapped = min(timeit.repeat(lambda: raw_engine.step(1), number=100_000, repeat=5)) / 100_000 * 1e6
         patching.unpatch()
     finally:
@@ -78,7 +80,7 @@ def per_call_us():
     try:
         from accelerate import Accelerator
 
-        from zerofix.fixes import _trainer_step as fix
+        from zerofix.fixes import trainer_scaling as fix
     except Exception as exc:  # noqa: BLE001
         print(f"(real wrapper not measured: {exc})")
         return out

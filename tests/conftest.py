@@ -69,12 +69,22 @@ def pytest_report_header(config):
     return f"zerofix stack: {config._zerofix_stack or 'none (stack tests skipped)'}"
 
 
+@pytest.hookimpl(trylast=True)  # after -m has deselected what it deselects
 def pytest_collection_modifyitems(config, items):
     stack = config._zerofix_stack
     for item in items:
         marker = item.get_closest_marker("stack")
         if marker and stack not in marker.args:
             item.add_marker(pytest.mark.skip(reason=f"runs on stack {'/'.join(marker.args)}, this is {stack}"))
+    # A smoke test that re-runs a few cells of its module's matrix is only worth its time when the matrix
+    # itself is not selected (the fast tier): next to the full tier it would train the same cells twice.
+    full = {item.module.__name__ for item in items
+            if item.get_closest_marker("distributed") and not item.get_closest_marker("smoke")}
+    redundant = [item for item in items if item.module.__name__ in full
+                 and any(m.kwargs.get("subset_of_matrix") for m in item.iter_markers("smoke"))]
+    if redundant:
+        config.hook.pytest_deselected(items=redundant)
+        items[:] = [item for item in items if item not in redundant]
 
 
 @pytest.fixture(scope="session")

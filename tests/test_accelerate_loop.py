@@ -15,6 +15,8 @@ from zerofix.check import launch, parity
 EXACT = 1e-6
 GROUPS = [(None, 1), (None, 2), (2, 1), (2, 2), (3, 1), (3, 2)]
 GROUP_IDS = [f"{'zero' + str(s) if s is not None else 'no-deepspeed'}-{n}rank" for s, n in GROUPS]
+# the fast tier's smoke: 2 DDP ranks, no DeepSpeed (the path every Trainer/accelerate release crosses)
+GROUPS = [pytest.param(*g, marks=pytest.mark.smoke) if g == (None, 2) else g for g in GROUPS]
 ALL_STACKS = ("latest", "2026-04", "2025-12", "2025-10", "2025-01", "2024-11")
 pytestmark = pytest.mark.distributed
 

@@ -1,6 +1,7 @@
 """Activation without code changes: environment parsing, the .pth file, ``zerofix run``."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -160,3 +161,54 @@ def test_status_cli_json():
     records = json.loads(proc.stdout)
     assert [r["id"] for r in records] == list(catalogue.ids())
     assert {"id", "state", "dist", "installed", "affected", "reason"} <= set(records[0])
+
+
+def zerofix_cli(*argv, env=None):
+    return subprocess.run([sys.executable, "-m", "zerofix", *argv], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
+
+
+def test_zerofix_without_a_command_shows_the_commands_and_where_to_start():
+    proc = zerofix_cli()
+    assert proc.returncode == 2
+    assert "{status,check,run,catalogue}" in proc.stderr and "zerofix status" in proc.stderr
+    assert "required: cmd" not in proc.stderr
+
+
+def test_an_unknown_option_is_reported_by_its_subcommand():
+    proc = zerofix_cli("status", "--bogus")
+    assert proc.returncode == 2
+    assert "usage: zerofix status" in proc.stderr and "unrecognized arguments: --bogus" in proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--fixes", "--disable"])
+def test_zerofix_run_blames_the_flag_not_the_environment(flag):
+    proc = zerofix_cli("run", flag, "nope", "--", sys.executable, "-c", "pass")
+    assert proc.returncode == 2
+    assert f"{flag} 'nope'" in proc.stderr and "ZEROFIX=" not in proc.stderr and "usage: zerofix run" in proc.stderr
+
+
+def test_help_is_plain_text_and_dir_lists_the_public_names():
+    for argv in ((), ("check",), ("status",), ("run",), ("catalogue",)):
+        out = zerofix_cli(*argv, "--help").stdout
+        assert out.startswith("usage: zerofix") and "``" not in out, argv
+    import zerofix
+
+    assert dir(zerofix) == sorted(zerofix.__all__) and "annotations" not in dir(zerofix)
+
+
+def test_status_ends_with_the_answer_to_do_i_need_zerofix_here():
+    from zerofix.cli import verdict_line
+    from zerofix.patching import Record
+
+    def record(fix_id, state):
+        return Record(fix_id, state, "lib", "1.0", ">=1", "why")
+
+    assert verdict_line([record("a", "not-affected"), record("b", "not-installed")]).startswith(
+        "You do not need zerofix here")
+    line = verdict_line([record("a", "inactive"), record("b", "applied"), record("c", "target-changed"),
+                         record("d", "not-affected")])
+    assert line.startswith("3 known bug(s)") and "Fixed now: b" in line and "not enabled: a (enable with ZEROFIX=1" in line
+    assert "the code changed shape: c" in line and " d" not in line
+    out = zerofix_cli("status").stdout.strip().splitlines()
+    assert out[-1].startswith("You do not need zerofix here") or "known bug(s) of the installed releases" in out[-1]

@@ -1,8 +1,6 @@
 """The catalogue is valid data and the README's table says what it says."""
 from __future__ import annotations
 
-import ast
-import importlib.util
 import re
 
 from packaging.specifiers import SpecifierSet
@@ -17,12 +15,7 @@ def test_entries_are_well_formed():
     for fix in catalogue.FIXES:
         assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)+", fix.id), fix.id
         SpecifierSet(fix.affected)  # parses
-        assert fix.targets and fix.modules
-        spec = importlib.util.find_spec(fix.implementation)
-        assert spec is not None, fix.implementation
-        # Read, not import: the implementation imports the library it patches.
-        defined = {n.name for n in ast.parse(open(spec.origin).read()).body if isinstance(n, ast.FunctionDef)}
-        assert {"structural_check", *(t.wrapper for t in fix.targets)} <= defined, (fix.id, defined)
+        assert fix.targets and fix.modules  # the implementation contract: test_structure.py
         assert all(u.startswith("https://github.com/") for u in fix.upstream)
 
 

@@ -198,8 +198,8 @@ EXPECTED = {
 }
 
 
-# latest runs the whole default run (the README's main command); 2026-04 the rows that show its bugs and one
-# row of every other kind of job that shares their code path (the whole run there: README, 89 s, same verdicts).
+# latest runs the whole default run (the command the README points a user to); 2026-04 the rows that show its bugs and one
+# row of every other kind of job that shares their code path (the whole run there: docs/check.md, 89 s, same verdicts).
 RUNS = {"latest": None, "2026-04": "trainer-1proc-*,trainer-ddp-*,accelerate-zero2-*,deepspeed-*-manual"}
 
 
@@ -268,6 +268,7 @@ def test_older_stacks_verdicts(tmp_path, stack):
 
 
 @pytest.mark.distributed
+@pytest.mark.smoke
 @pytest.mark.stack("latest")
 def test_quick_runs_one_process_and_its_small_set(tmp_path):
     code, document, stdout = zerofix_check(tmp_path, "--quick")
@@ -338,15 +339,15 @@ def test_trl_chunked_nll_crashes_unpatched_and_is_fixed(tmp_path):
 
 
 @pytest.mark.parametrize("stack", sorted(EXPECTED))
-def test_readme_shows_the_real_verdicts(stack):
-    """The README's check outputs (pasted from real runs) list every scenario with the verdict the stack's
+def test_docs_show_the_real_verdicts(stack):
+    """docs/check.md's outputs (pasted from real runs) list every scenario with the verdict the stack's
     test asserts, and the versions of that stack."""
     from pathlib import Path
 
     from conftest import stack_pins
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = readme.split(f"<!-- check-output: {stack} -->\n```\n", 1)[1].split("```", 1)[0]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "check.md").read_text()
+    block = page.split(f"<!-- check-output: {stack} -->\n```\n", 1)[1].split("```", 1)[0]
     rows = {}
     for line in block.splitlines():
         fields = line.split()

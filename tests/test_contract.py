@@ -24,11 +24,15 @@ FAKELIB_DRIFTED = FAKELIB_CORE.replace("def step(self, x):", "def step(self, x, 
 FAKEFIX = """
 import inspect
 
-def structural_check(targets):
+from zerofix.fixes.contract import drifted, found
+
+FIX_IDS = ("fake-fix",)
+
+def structural_check(fix_id, targets):
     for name, fn in targets.items():
         if list(inspect.signature(fn).parameters) != ["self", "x"]:
-            return f"{name} signature changed to {inspect.signature(fn)}"
-    return None
+            return drifted(f"{name} signature changed to {inspect.signature(fn)}")
+    return found()
 
 def step(wrapped, instance, args, kwargs):
     return 2 * wrapped(*args, **kwargs)
@@ -49,8 +53,8 @@ def make_fakelib(tmp_path, core=FAKELIB_CORE):
 
 def preamble(tmp_path, *, affected=">=1.0,<2", dist="fakelib", attribute="Engine.step",
              implementation="fakefix", extra_targets=()):
-    targets = [f"Target('fakelib.core', {attribute!r}, 'step')"]
-    targets += [f"Target('fakelib.core', {a!r}, 'step')" for a in extra_targets]
+    targets = [f"Target('fakelib.core', {attribute!r}, '{implementation}:step')"]
+    targets += [f"Target('fakelib.core', {a!r}, '{implementation}:step')" for a in extra_targets]
     return textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(tmp_path)!r})
@@ -257,9 +261,11 @@ def test_two_fixes_on_one_attribute_layer_in_any_order(lib):
     """The DeepSpeed fixes share DeepSpeedEngine.backward: layers compose, and removing either one
     leaves the other, innermost first in catalogue order; removing both restores the raw function."""
     (lib / "plusfix.py").write_text(FAKEFIX.replace("return 2 * wrapped(*args, **kwargs)",
-                                                    "return wrapped(*args, **kwargs) + 10"))
+                                                    "return wrapped(*args, **kwargs) + 10")
+                                    .replace('FIX_IDS = ("fake-fix",)', 'FIX_IDS = ("plus-fix",)'))
     check(lib, """
-        catalogue.FIXES += (catalogue.FIXES[0]._replace(id="plus-fix", implementation="plusfix"),)
+        plus = tuple(t._replace(wrapper="plusfix:step") for t in catalogue.FIXES[0].targets)
+        catalogue.FIXES += (catalogue.FIXES[0]._replace(id="plus-fix", implementation="plusfix", targets=plus),)
         import fakelib.core as core
         raw = vars(core.Engine)["step"]
         zerofix.patch()
@@ -290,8 +296,8 @@ def test_a_fix_waits_for_a_target_module_still_importing_the_other(tmp_path):
         from zerofix import catalogue
         from zerofix.catalogue import Fix, Target
         catalogue.FIXES = (Fix(id="fake-fix", title="fake", dist="fakelib", affected=">=1.0",
-                               targets=(Target("fakelib.trainer", "Trainer.step", "step"),
-                                        Target("fakelib.core", "Engine.step", "step")),
+                               targets=(Target("fakelib.trainer", "Trainer.step", "fakefix:step"),
+                                        Target("fakelib.core", "Engine.step", "fakefix:step")),
                                implementation="fakefix"),)
         import zerofix.activation
         zerofix.activation.autopatch()

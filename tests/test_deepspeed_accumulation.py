@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerofix import catalogue, patching
+from zerofix import catalogue, versions
 from zerofix.check import accumulation, parity, reference
 from zerofix.check.accumulation import CORRECT, ERROR
 
@@ -75,7 +75,7 @@ def deepspeed_fixes_applied(runtime) -> set[str]:
 
 # The patched runs enable every DeepSpeed fix; those whose range holds the installed release apply.
 IN_RANGE = {f.id for f in catalogue.FIXES
-            if f.dist == "deepspeed" and patching.version_in_range(metadata.version("deepspeed"), f.affected)}
+            if f.dist == "deepspeed" and versions.version_in_range(metadata.version("deepspeed"), f.affected)}
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.name)
@@ -220,6 +220,42 @@ def test_trainer_through_deepspeed_stays_exact(tmp_path, stage):
     for runtime in result["patched"]["rank_runtime"]:
         (seen,) = runtime[FIX]
         assert (seen["zero_stage"], seen["windows"], seen["flushed"]) == (stage, 1, 0), seen
+
+
+@pytest.mark.smoke(subset_of_matrix=True)
+def test_smoke_manual_window_fixed_reads_right_and_deepspeeds_own_style_untouched(tmp_path):
+    """The fast tier's DeepSpeed smoke, one 2-rank launch of three cells of the matrices above: ZeRO-2 manual
+    accumulation at config GAS=1 (both halves: unpatched as DeepSpeed is known to do on this release, patched
+    equal to the reference), a manual window read with safe_get_full_grad before step() (the window's mean),
+    and DeepSpeed's own style at GAS=4 (every observable identical unpatched and patched)."""
+    version = metadata.version("deepspeed")
+    own = next(c for c in TRANSPARENT if c.name == "z2-gas4-b-sgd-probe")
+    read = [c for c in TAKEOVER if c.name == "z2-gas4-f-sgd-probe"]  # a takeover probe where one exists
+    manual = accumulation.Cell(2, 1, "a")
+    runs = parity.ds_accumulation(tmp_path, [manual, own, *read], nproc=2)
+    test_unpatched_shows_what_deepspeed_is_known_to_do(runs, manual)
+    test_patched_matches_the_reference(runs, manual)
+    for cell in read:
+        test_a_gradient_read_before_step_sees_the_window_mean(runs, cell)
+    if accumulation.known_unpatched(own, version) == CORRECT:
+        test_a_path_deepspeed_gets_right_is_left_exactly_as_it_was(runs, own)
+
+
+def test_every_deepspeed_fix_still_matches_the_reference_after_patch_unpatch_patch(tmp_path):
+    """The orderings of test_orderings.py end in a training step: the DeepSpeed fixes in range are patched,
+    unpatched and patched again (after DeepSpeed is imported), then a manual window (ZeRO-1/2, config GAS=1),
+    DeepSpeed's own style at GAS=4 (ZeRO-2: the accumulator of 0.17.6-0.18.2) and the Trainer's
+    scale_wrt_gas=False (ZeRO-3: the hook of 0.18.3) train as the patched runs do."""
+    cells = [accumulation.Cell(1, 1, "a"), accumulation.Cell(2, 1, "a"), accumulation.Cell(2, 4, "b"),
+             accumulation.Cell(3, 4, "b", scale_wrt_gas=False)]
+    runs = parity.ds_accumulation(tmp_path, cells, variants=("repatched",))
+    for cell in cells:
+        result = runs["repatched"][cell.name]
+        assert result["errors"] == [None] * runs["world"], result["errors"]
+        for runtime in result["runtime"]:
+            assert runtime["state"] == "applied" and deepspeed_fixes_applied(runtime) == IN_RANGE, runtime["states"]
+        semantics = accumulation.known_patched(cell, metadata.version("deepspeed"))
+        assert max(errors(runs, "repatched", cell, semantics)) < TOLERANCE[cell.optimizer], (cell.name, semantics)
 
 
 def test_environment_activation_reaches_every_rank_and_logs_once_per_engine(tmp_path):

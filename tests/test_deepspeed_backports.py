@@ -15,7 +15,7 @@ from importlib import metadata
 import pytest
 
 from conftest import run_python
-from zerofix import catalogue, patching
+from zerofix import catalogue, versions
 from zerofix.check import parity
 
 ACCUMULATOR = "deepspeed-zero12-accumulator"
@@ -72,7 +72,7 @@ def test_scale_wrt_gas_false_is_honoured(tmp_path, stage, model, nproc):
 
 
 def in_range(fix_id: str) -> bool:
-    return patching.version_in_range(metadata.version("deepspeed"), catalogue.by_id(fix_id).affected)
+    return versions.version_in_range(metadata.version("deepspeed"), catalogue.by_id(fix_id).affected)
 
 
 def test_structural_checks_recognise_the_broken_originals_exactly_on_their_releases():
@@ -84,14 +84,14 @@ def test_structural_checks_recognise_the_broken_originals_exactly_on_their_relea
     from zerofix.fixes import deepspeed_scale_wrt_gas, deepspeed_zero12_accumulator
 
     epilogue = DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue
-    drift = deepspeed_zero12_accumulator.structural_check({deepspeed_zero12_accumulator.TARGET: epilogue})
+    drift = deepspeed_zero12_accumulator.structural_check(ACCUMULATOR, {deepspeed_zero12_accumulator.TARGET: epilogue}).drift
     assert (drift is None) == in_range(ACCUMULATOR), drift
     hook = getattr(DeepSpeedEngine, "_backward_prologue_per_tensor", None)
     if hook is None:  # before 0.18.3 the division happens inside backward()
         assert not in_range(SCALE)
     else:
-        drift = deepspeed_scale_wrt_gas.structural_check({deepspeed_scale_wrt_gas.HOOK: hook,
-                                                          deepspeed_scale_wrt_gas.BACKWARD: DeepSpeedEngine.backward})
+        drift = deepspeed_scale_wrt_gas.structural_check(SCALE, {deepspeed_scale_wrt_gas.HOOK: hook,
+                                                                 deepspeed_scale_wrt_gas.BACKWARD: DeepSpeedEngine.backward}).drift
         assert (drift is None) == in_range(SCALE), drift
 
 

@@ -80,8 +80,8 @@ def test_eligibility(engine, stage, eligible, why):
 
 
 def test_zero2_on_the_broken_accumulator_is_taken_over_once_it_is_fixed(monkeypatch):
-    from zerofix import patching
+    from zerofix import applied
 
-    monkeypatch.setattr(patching, "is_applied", lambda fix_id: fix_id == "deepspeed-zero12-accumulator")
+    monkeypatch.setattr(applied, "is_applied", lambda fix_id: fix_id == "deepspeed-zero12-accumulator")
     ok, reason = _eligibility(Engine(Zero12Buckets1718()), 2)
     assert ok and "bucket" in reason, reason

@@ -24,7 +24,7 @@ RELEASES = {
 # The entries in range per release (what zerofix applies by default).
 IN_RANGE = {"4.46-4.47": Corrections(True, True, False), "4.48": Corrections(False, True, False),
             "4.49-5.1": Corrections(), "5.2-5.5.3": Corrections(False, False, True)}
-# Measured unpatched (relative to right): DESIGN.md §2 and the Trainer tests.
+# Measured unpatched (relative to right): docs/fixes.md and the Trainer tests.
 UNPATCHED = {
     ("4.46-4.47", "kw", False): 1.0, ("4.46-4.47", "nokw", False): 1 / GAS,
     ("4.46-4.47", "kw", True): GAS, ("4.46-4.47", "nokw", True): 1.0,

@@ -19,6 +19,8 @@ from zerofix.check import parity
 EXACT = 1e-6  # relative error of an update, float32 run vs float64 reference
 GROUPS = [(None, 1), (None, 2), (2, 1), (2, 2), (3, 1), (3, 2)]
 GROUP_IDS = [f"{'zero' + str(s) if s is not None else 'no-deepspeed'}-{n}rank" for s, n in GROUPS]
+# the fast tier's smoke: 2 DDP ranks, no DeepSpeed (the path every Trainer/accelerate release crosses)
+GROUPS = [pytest.param(*g, marks=pytest.mark.smoke) if g == (None, 2) else g for g in GROUPS]
 ALL_STACKS = ("latest", "2026-04", "2025-12", "2025-10", "2025-01", "2024-11")
 TRAINER_ENTRIES = ("transformers-nokw-undivided", "transformers-deepspeed-double-division",
                    "transformers-accelerate-double-division")
@@ -42,7 +44,7 @@ def cells(nproc: int) -> list[dict]:
 
 
 def measured_unpatched(stack: str, model: str, stage, gas: int):
-    """The update / reference ratio of every window, unpatched, as measured (DESIGN.md §2); "last": the
+    """The update / reference ratio of every window, unpatched, as measured (docs/fixes.md); "last": the
     ZeRO-2 accumulator of deepspeed 0.18.0 keeps each rank's last micro-batch (exact assertion in
     test_deepspeed_backports.py)."""
     deepspeed = stage is not None
@@ -97,3 +99,23 @@ def test_trainer_divides_exactly_once(tmp_path, stack, stage, nproc):
         assert applied == IN_RANGE.get(stack, set()), (where, applied)
         assert all(s[i] == "not-affected" for s in fixed["rank_status"] for i in TRAINER_ENTRIES
                    if i not in IN_RANGE.get(stack, set())), fixed["rank_status"]
+
+
+# Per stack, the Trainer paths its entries fix: (ZeRO stage or None, model).
+REPATCH_CASES = {"2024-11": [(None, "custom"), (2, "causal-lm")], "2025-01": [(2, "causal-lm")],
+                 "2026-04": [(None, "causal-lm")]}
+
+
+@pytest.mark.stack(*REPATCH_CASES)
+def test_trainer_entries_still_match_the_reference_after_patch_unpatch_patch(tmp_path, stack):
+    """The orderings of test_orderings.py end in a training step: the Trainer's entries in range are patched,
+    unpatched and patched again after transformers is imported, then the Trainer trains (GAS=8, 1 process):
+    the update equals the reference, as the patched runs above do."""
+    for stage, model in REPATCH_CASES[stack]:
+        extra = ["--zero-stage", str(stage)] if stage is not None else []
+        result = parity.trainer_gas(tmp_path / f"{model}-{stage}", model=model, zerofix="repatched",
+                                    extra_args=extra)["repatched"]
+        assert result["rel_err"] < EXACT, (stage, model, result)
+        applied = {i for s in result["rank_status"] for i, state in s.items()
+                   if i in TRAINER_ENTRIES and state == "applied"}
+        assert applied == IN_RANGE[stack], applied

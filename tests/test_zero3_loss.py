@@ -66,6 +66,25 @@ def run(tmp_path_factory):
                         init) for c in CELLS}
 
 
+@pytest.mark.smoke(subset_of_matrix=True)
+def test_smoke_the_chunked_loss_trains_a_partitioned_head_that_a_direct_read_crashes_on(tmp_path):
+    """The fast tier's ZeRO-3 smoke, one 2-rank launch of two cells of the matrix below: the same chunks
+    reading the partitioned head directly crash; zerofix.chunked_cross_entropy outside engine.forward, rank 1
+    with fewer chunks, equals the float64 reference with one gather each way per pass."""
+    cells = [c for c in CELLS if c["name"] in ("zerofix-outside-untied-bias-empty1", "naive-outside-untied-bias")]
+    (tmp_path / "cells.json").write_text(json.dumps(cells))
+    records = launch.torchrun("zerofix.check.scenarios.zero3_loss", ["--cells", str(tmp_path / "cells.json")],
+                              nproc=2, out_dir=tmp_path / "run", timeout=300)
+    init = torch.load(tmp_path / "run" / "init.pt")
+    fixed, naive = cells if cells[0]["loss"] == "zerofix" else cells[::-1]
+    assert all("size mismatch" in r["cells"][naive["name"]].get("error", "") for r in records)
+    ranks = [r["cells"][fixed["name"]] for r in records]
+    assert all("error" not in r for r in ranks), [r.get("error") for r in ranks]
+    errors = reference_updates(init, torch.load(tmp_path / "run" / f"{fixed['name']}.pt"), fixed, world=2)
+    assert max(errors) < EXACT, errors
+    assert all(s["loss_forward"] == 1 and s["backward"] == 1 for r in ranks for s in r["gathers"])
+
+
 @pytest.mark.parametrize("c", [c for c in CELLS if c["loss"] == "zerofix"], ids=lambda c: c["name"])
 def test_update_equals_reference_and_head_gathered_at_most_once_per_pass(run, c):
     c, ranks, snapshots, init = run[c["name"]]

@@ -3,8 +3,6 @@
 ``import zerofix`` is cheap: it imports no torch, deepspeed, transformers, accelerate or trl. The
 public functions load their modules on first use.
 """
-from __future__ import annotations
-
 __version__ = "0.1.0"
 __all__ = ["patch", "unpatch", "status", "gathered", "chunked_cross_entropy", "StrictError", "__version__"]
 
@@ -18,6 +16,10 @@ def patch(fixes=None, exclude=(), *, strict=None):
     """
     from zerofix import patching
 
+    if strict is None:
+        from zerofix.activation import strict_from_environment
+
+        strict = strict_from_environment()
     patching.patch(fixes, exclude, strict=strict)
     return patching.status()
 
@@ -59,9 +61,13 @@ def chunked_cross_entropy(hidden, weight, labels, bias=None, **options):
     return _loss(hidden, weight, labels, bias, **options)
 
 
+def __dir__():
+    return sorted(__all__)
+
+
 def __getattr__(name):
     if name == "StrictError":
-        from zerofix.patching import StrictError
+        from zerofix.errors import StrictError
 
         return StrictError
     raise AttributeError(f"module 'zerofix' has no attribute {name!r}")

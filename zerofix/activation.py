@@ -102,6 +102,12 @@ def _warn_setting(message: str) -> None:
         sys.stderr.write(f"zerofix: warning: {message}.\n")
 
 
+def strict_from_environment(environ=None) -> bool:
+    """``ZEROFIX_STRICT`` for a ``patch()`` call that did not say: on only for 1/true/on/yes."""
+    env = os.environ if environ is None else environ
+    return env.get("ZEROFIX_STRICT", "").strip().lower() in ALL
+
+
 def configure_logging(level: str) -> None:
     import logging
 
@@ -132,11 +138,12 @@ def autopatch(*, default_on: bool = False):
     if settings.log_level:
         configure_logging(settings.log_level)
     from zerofix import patching
+    from zerofix.errors import StrictError
 
     try:
         patching.patch(settings.fixes, settings.disable, strict=settings.strict)
         return settings
-    except patching.StrictError:
+    except StrictError:
         raise
     except Exception as exc:  # noqa: BLE001 - start-up must go on
         _warn_once(f"activation failed: {type(exc).__name__}: {exc}")

@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 class Target(NamedTuple):
     """One attribute to wrap: ``module`` is the *defining* submodule (the post-import hook fires on it),
-    ``attribute`` a dotted path inside it (``Class.method``), ``wrapper`` the name of the wrapper
-    function ``(wrapped, instance, args, kwargs)`` in the fix's implementation module."""
+    ``attribute`` a dotted path inside it (``Class.method``), ``wrapper`` the wrapper function
+    ``(wrapped, instance, args, kwargs)`` as ``"module:function"`` (entries sharing a mechanism share it)."""
 
     module: str
     attribute: str
@@ -28,7 +28,9 @@ class Fix(NamedTuple):
     dist: str  # the distribution whose installed version decides (importlib.metadata name)
     affected: str  # PEP 440 specifier of the broken releases, evaluated with prereleases allowed
     targets: tuple[Target, ...]
-    implementation: str  # module with the wrappers and a ``structural_check(modules) -> str | None``
+    # the module that implements the entry: FIX_IDS naming it, structural_check(fix_id, targets) -> Check,
+    # optionally runtime_details() (the contract: zerofix.fixes.contract)
+    implementation: str
     upstream: tuple[str, ...] = ()
     fixed_in: str | None = None  # first upstream release with the fix, for humans
     where: str = ""  # the code path that shows the bug, for humans
@@ -38,8 +40,12 @@ class Fix(NamedTuple):
         return tuple(dict.fromkeys(t.module for t in self.targets))
 
 
+TRAINER = "zerofix.fixes.trainer_scaling"
+MANUAL = "zerofix.fixes.deepspeed_manual_accumulation"
+SCALE = "zerofix.fixes.deepspeed_scale_wrt_gas"
+
 FIXES: tuple[Fix, ...] = (
-    # The Trainer's gradient-accumulation scaling, one mechanism (zerofix.fixes._trainer_step, rule in
+    # The Trainer's gradient-accumulation scaling, one mechanism (zerofix.fixes.trainer_scaling, rule in
     # zerofix.scaling): each entry wraps Trainer.training_step (marks the Trainer's backward) and
     # Accelerator.backward (divides exactly once); a plain accelerate loop is never touched.
     Fix(
@@ -48,11 +54,11 @@ FIXES: tuple[Fix, ...] = (
         dist="transformers",
         affected=">=4.46,<4.48",
         targets=(
-            Target("transformers.trainer", "Trainer.training_step", "training_step"),
-            Target("transformers.trainer", "Trainer.get_batch_samples", "get_batch_samples"),
-            Target("accelerate.accelerator", "Accelerator.backward", "backward"),
+            Target("transformers.trainer", "Trainer.training_step", TRAINER + ":training_step"),
+            Target("transformers.trainer", "Trainer.get_batch_samples", TRAINER + ":get_batch_samples"),
+            Target("accelerate.accelerator", "Accelerator.backward", TRAINER + ":backward"),
         ),
-        implementation="zerofix.fixes.transformers_nokw_undivided",
+        implementation=TRAINER,
         upstream=("https://github.com/huggingface/transformers/pull/35207",),
         fixed_in="4.48.0",
         where="Trainer without DeepSpeed (1 process or DDP), a model whose forward takes no **kwargs, "
@@ -65,10 +71,10 @@ FIXES: tuple[Fix, ...] = (
         dist="transformers",
         affected=">=4.46,<4.49",
         targets=(
-            Target("transformers.trainer", "Trainer.training_step", "training_step"),
-            Target("accelerate.accelerator", "Accelerator.backward", "backward"),
+            Target("transformers.trainer", "Trainer.training_step", TRAINER + ":training_step"),
+            Target("accelerate.accelerator", "Accelerator.backward", TRAINER + ":backward"),
         ),
-        implementation="zerofix.fixes.transformers_deepspeed_double_division",
+        implementation=TRAINER,
         upstream=("https://github.com/huggingface/transformers/pull/35808",),
         fixed_in="4.49.0",
         where="Trainer with DeepSpeed, gradient_accumulation_steps > 1: updates are 1/GAS of the correct "
@@ -80,10 +86,10 @@ FIXES: tuple[Fix, ...] = (
         dist="transformers",
         affected=">=5.2.0,<5.5.4",
         targets=(
-            Target("transformers.trainer", "Trainer.training_step", "training_step"),
-            Target("accelerate.accelerator", "Accelerator.backward", "backward"),
+            Target("transformers.trainer", "Trainer.training_step", TRAINER + ":training_step"),
+            Target("accelerate.accelerator", "Accelerator.backward", TRAINER + ":backward"),
         ),
-        implementation="zerofix.fixes.transformers_accelerate_double_division",
+        implementation=TRAINER,
         upstream=(
             "https://github.com/huggingface/transformers/issues/45305",
             "https://github.com/huggingface/transformers/pull/45349",
@@ -101,16 +107,16 @@ FIXES: tuple[Fix, ...] = (
         # differs from the config's GAS; >= 0.17.6 also keeps only the last micro-batch at GAS=1 (ZeRO-1/2).
         affected=">=0.14.5",
         targets=(
-            Target("deepspeed.runtime.engine", "DeepSpeedEngine.backward", "backward"),
-            Target("deepspeed.runtime.engine", "DeepSpeedEngine.step", "step"),
-            Target("deepspeed.runtime.engine", "DeepSpeedEngine.save_checkpoint", "save_checkpoint"),
+            Target("deepspeed.runtime.engine", "DeepSpeedEngine.backward", MANUAL + ":backward"),
+            Target("deepspeed.runtime.engine", "DeepSpeedEngine.step", MANUAL + ":step"),
+            Target("deepspeed.runtime.engine", "DeepSpeedEngine.save_checkpoint", MANUAL + ":save_checkpoint"),
             # gradient reads between the last backward and step() reduce a lazily accumulated window
             # first; deepspeed.utils re-exports them by value, so both names are wrapped
-            *(Target(module, name, "read_grad", optional=name == "safe_update_full_grad_vectorized")
+            *(Target(module, name, MANUAL + ":read_grad", optional=name == "safe_update_full_grad_vectorized")
               for module in ("deepspeed.utils.tensor_fragment", "deepspeed.utils")
               for name in ("safe_get_full_grad", "safe_set_full_grad", "safe_update_full_grad_vectorized")),
         ),
-        implementation="zerofix.fixes.deepspeed_manual_accumulation",
+        implementation=MANUAL,
         upstream=(
             "https://github.com/deepspeedai/DeepSpeed/issues/7718",
             "https://github.com/allenai/open-instruct/pull/1498",
@@ -128,7 +134,8 @@ FIXES: tuple[Fix, ...] = (
         affected=">=0.17.6,<0.18.3",
         targets=(
             Target("deepspeed.runtime.zero.stage_1_and_2",
-                   "DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue", "epilogue"),
+                   "DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue",
+                   "zerofix.fixes.deepspeed_zero12_accumulator:epilogue"),
         ),
         implementation="zerofix.fixes.deepspeed_zero12_accumulator",
         upstream=("https://github.com/deepspeedai/DeepSpeed/releases/tag/v0.18.3",),
@@ -143,10 +150,10 @@ FIXES: tuple[Fix, ...] = (
         dist="deepspeed",
         affected="==0.18.3",  # the hook is new in 0.18.3 (absent from 0.18.2's source), 0.18.4 honours the flag
         targets=(
-            Target("deepspeed.runtime.engine", "DeepSpeedEngine.backward", "backward"),
-            Target("deepspeed.runtime.engine", "DeepSpeedEngine._backward_prologue_per_tensor", "per_tensor"),
+            Target("deepspeed.runtime.engine", "DeepSpeedEngine.backward", SCALE + ":backward"),
+            Target("deepspeed.runtime.engine", "DeepSpeedEngine._backward_prologue_per_tensor", SCALE + ":per_tensor"),
         ),
-        implementation="zerofix.fixes.deepspeed_scale_wrt_gas",
+        implementation=SCALE,
         upstream=("https://github.com/deepspeedai/DeepSpeed/pull/7724",),
         fixed_in="0.18.4",
         where="Trainer with DeepSpeed and GAS > 1 (it passes scale_wrt_gas=False): updates are 1/GAS, and "
@@ -158,7 +165,8 @@ FIXES: tuple[Fix, ...] = (
         dist="trl",
         affected=">=1.4.0,<1.6.0",
         targets=(
-            Target("trl.trainer.sft_trainer", "_chunked_cross_entropy_loss", "chunked_cross_entropy_loss"),
+            Target("trl.trainer.sft_trainer", "_chunked_cross_entropy_loss",
+                   "zerofix.fixes.trl_chunked_nll_zero3:chunked_cross_entropy_loss"),
         ),
         implementation="zerofix.fixes.trl_chunked_nll_zero3",
         upstream=("https://github.com/huggingface/trl/pull/5873",),

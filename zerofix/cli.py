@@ -1,4 +1,4 @@
-"""``zerofix check | status | run | catalogue`` (also ``python -m zerofix``)."""
+"""The ``zerofix`` command (also ``python -m zerofix``)."""
 from __future__ import annotations
 
 import argparse
@@ -13,13 +13,14 @@ def _status(args) -> int:
     import importlib
 
     from zerofix import catalogue, patching
+    from zerofix.versions import installed_version
 
     if args.apply:
         # Show what patch() really does here: enable, then import every target module.
         patching.patch()
         for fix in catalogue.FIXES:
             for module in fix.modules:
-                if patching.installed_version(fix.dist) is not None:
+                if installed_version(fix.dist) is not None:
                     try:
                         importlib.import_module(module)
                     except Exception as exc:  # noqa: BLE001 - reported as the fix's failure
@@ -33,7 +34,33 @@ def _status(args) -> int:
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+    print()
+    print(verdict_line(records))
     return 0
+
+
+def verdict_line(records) -> str:
+    """The answer to "do I need zerofix here?", from the status records."""
+    from zerofix import patching
+
+    groups = (
+        (patching.APPLIED, "fixed now: {}"),
+        (patching.PENDING, "enabled, applied when the library is imported: {}"),
+        (patching.INACTIVE, "not enabled: {} (enable with ZEROFIX=1, zerofix.patch() or 'zerofix run -- <launcher>')"),
+        (patching.TARGET_CHANGED, "not applied, the code changed shape: {} (see the reason)"),
+        (patching.FAILED, "not applied, applying failed: {} (see the reason)"),
+    )
+    parts = []
+    for state, text in groups:
+        ids = [r.id for r in records if r.state == state]
+        if ids:
+            parts.append(text.format(", ".join(ids)))
+    if not parts:
+        return ("You do not need zerofix here: no installed release is in an affected range "
+                "('zerofix check' proves the stack with real runs).")
+    count = sum(r.state in {s for s, _ in groups} for r in records)
+    details = "; ".join(parts)
+    return f"{count} known bug(s) of the installed releases concern this environment. {details[0].upper()}{details[1:]}."
 
 
 def _link_text(url: str) -> str:
@@ -82,16 +109,26 @@ def run_environment(environ, fixes=None, disable=None) -> dict:
 
 
 def _run(args, parser) -> int:
-    from zerofix.activation import ConfigError, read_environment
+    from zerofix import catalogue
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("run needs a command: zerofix run -- torchrun --nproc_per_node 2 train.py")
+    for option, value in (("--fixes", args.fixes), ("--disable", args.disable)):
+        if value is None:
+            continue
+        items = [v.strip() for v in value.split(",") if v.strip()]
+        unknown = [v for v in items if v not in catalogue.ids()]
+        if unknown or not items:
+            parser.error(f"{option} {value!r}: unknown fix id(s) {', '.join(unknown) or '(none given)'}; "
+                         f"give a comma list of: {', '.join(catalogue.ids())} (or leave {option} out)")
     env = run_environment(os.environ, args.fixes, args.disable)
+    from zerofix.activation import ConfigError, read_environment
+
     try:
         read_environment(env, default_on=True)
-    except ConfigError as exc:
-        parser.error(str(exc))
+    except ConfigError as exc:  # the inherited ZEROFIX / ZEROFIX_DISABLE, not the flags (checked above)
+        parser.error(f"{exc} (set in the environment zerofix run inherits)")
     try:
         os.execvpe(command[0], command, env)
     except FileNotFoundError:  # a shell's codes: 127 not found, 126 found but not runnable
@@ -105,9 +142,13 @@ def _run(args, parser) -> int:
     return 0  # not reached
 
 
+DESCRIPTION = ("Numerically correct distributed training on the library versions you pin. Start with "
+               "'zerofix status' (what each fix does here), then 'zerofix check' (prove it with tiny real runs).")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zerofix", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    parser = argparse.ArgumentParser(prog="zerofix", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="cmd", metavar="{status,check,run,catalogue}")
     p = sub.add_parser("check", help="prove on the installed libraries that training steps are correct: tiny "
                                      "real runs, unpatched and patched, against a single-process reference")
     from zerofix.check.command import add_arguments  # argparse only: no ML library imported
@@ -135,7 +176,12 @@ def sub_parser(parser, name):
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.cmd is None:
+        parser.print_help(sys.stderr)
+        parser.exit(2, "\nzerofix: choose a command, e.g. 'zerofix status'\n")
+    if extra:  # reported by the subcommand that was given them, with its own usage
+        sub_parser(parser, args.cmd).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.cmd == "check":
         from zerofix.check import command
 
@@ -144,4 +190,4 @@ def main(argv=None) -> int:
         return _status(args)
     if args.cmd == "catalogue":
         return _catalogue(args)
-    return _run(args, parser)
+    return _run(args, sub_parser(parser, "run"))

@@ -43,7 +43,9 @@ def _run(callback, module) -> None:
     try:
         callback(module)
     except Exception as exc:  # a hook never breaks the user's import; the callback records its failure
-        if getattr(exc, "raise_from_hook", False):  # ... unless the user asked for that (strict mode)
+        from zerofix.errors import StrictError
+
+        if isinstance(exc, StrictError):  # ... unless the user asked for that (strict mode)
             raise
 
 

@@ -1,9 +1,10 @@
 """Applies and reverts catalogue entries.
 
 One fix goes through: selection (``patch(fixes, exclude)``) -> post-import hook on each defining
-submodule -> version guard (PEP 440, prereleases allowed) -> structural guard (the implementation's
-``structural_check``) -> wrapt ``FunctionWrapper`` installed at class level on every target, all or
-nothing. An identity registry keyed on ``(owner, name)`` keeps the raw ``vars(owner)[name]`` so that
+submodule -> version guard (PEP 440, prereleases allowed, ``zerofix.versions``) -> structural guard (the
+implementation's ``structural_check``, whose contract is ``zerofix.fixes.contract``) -> wrapt
+``FunctionWrapper`` installed at class level on every target, all or nothing -> ``zerofix.applied`` records
+the fix as applied, with what its check found for the wrappers. An identity registry keyed on ``(owner, name)`` keeps the raw ``vars(owner)[name]`` so that
 ``unpatch()`` puts back exactly what was there (or removes the attribute if it was inherited).
 
 Several fixes may wrap the same attribute (the DeepSpeed fixes all need ``DeepSpeedEngine.backward``).
@@ -13,13 +14,15 @@ rebuilt from the raw value whenever a fix comes or goes: fixes layer, in any pat
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import threading
 from typing import NamedTuple
 
-from zerofix import catalogue, importhooks
+from zerofix import applied, catalogue, importhooks
 from zerofix._log import log
+from zerofix.errors import StrictError
+from zerofix.fixes import contract
+from zerofix.versions import installed_version, version_in_range
 
 # States of a fix, as reported by status().
 APPLIED = "applied"
@@ -32,11 +35,8 @@ FAILED = "failed"
 INACTIVE = "inactive"  # in range, but patch() was not asked for it
 
 
-class StrictError(RuntimeError):
-    """Raised instead of skipping a fix when ``strict=True`` / ``ZEROFIX_STRICT=1``, also from the
-    import that triggered the fix."""
-
-    raise_from_hook = True
+__all__ = ["StrictError", "Record", "patch", "unpatch", "status", "apply", "select", "is_applied",
+           "installed_version", "version_in_range"]
 
 
 class Record(NamedTuple):
@@ -94,22 +94,6 @@ _reload_watched: set[tuple[str, str]] = set()  # (fix id, module) with a reload 
 
 
 # ----------------------------------------------------------------------------- guards
-def installed_version(dist: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def version_in_range(version: str, affected: str) -> bool:
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
-
-    return SpecifierSet(affected).contains(Version(version), prereleases=True)
-
-
 def _version_record(fix: catalogue.Fix, version: str | None) -> Record | None:
     """The record for a fix whose version guard says no, else None."""
     if version is None:
@@ -147,16 +131,13 @@ def select(fixes=None, exclude=()) -> tuple[list[str], set[str]]:
     return [f for f in wanted if f not in excluded], excluded
 
 
-def patch(fixes=None, exclude=(), *, strict: bool | None = None) -> None:
+def patch(fixes=None, exclude=(), *, strict: bool = False) -> None:
     """Enable fixes (all by default). Fixes whose modules are imported are applied now, the others
     when their defining submodule is imported. Calling it again is a no-op for enabled fixes, except
     that an explicit ``exclude`` wins over an earlier patch() or the environment: those fixes are
-    unpatched. Returns nothing: status() would read package metadata, which start-up must not pay for."""
+    unpatched. Returns nothing: status() would read package metadata, which start-up must not pay for.
+    ``strict`` comes resolved: the package face and ``activation`` read ``ZEROFIX_STRICT``."""
     selected, excluded = select(fixes, exclude)
-    if strict is None:
-        from zerofix.activation import ALL
-
-        strict = os.environ.get("ZEROFIX_STRICT", "").strip().lower() in ALL
     with _lock:
         for fix_id in [f for f in catalogue.ids() if f in excluded and f in _enabled]:
             _disable(fix_id)
@@ -196,6 +177,7 @@ def _on_reload(fix_id: str) -> None:
             return
         for slot in reversed(_installed.pop(fix_id)):
             _remove_layer(slot, fix_id)
+        applied.mark_removed(fix_id)
     log("info", "%s: a target module was reloaded; applying again", fix_id)
     apply(catalogue.by_id(fix_id))
 
@@ -231,6 +213,13 @@ def apply(fix: catalogue.Fix) -> Record:
 
 def _install(fix: catalogue.Fix, version: str) -> Record:
     impl = importlib.import_module(fix.implementation)
+    broken = contract.violations(impl, fix.id)
+    if broken:
+        raise TypeError("; ".join(broken))  # zerofix's own defect: reported as failed
+    wrappers = {}
+    for target in fix.targets:
+        module, function = contract.split_wrapper(target.wrapper)
+        wrappers[target] = getattr(importlib.import_module(module), function)
     resolved = {}
     for target in fix.targets:
         try:
@@ -245,22 +234,26 @@ def _install(fix: catalogue.Fix, version: str) -> Record:
     for target, (owner, name, value) in resolved.items():
         slot = _registry.get((id(owner), name))
         originals[target.attribute] = value if slot is None else slot.raw
-    drift = impl.structural_check(originals)
-    if drift:
-        return Record(fix.id, TARGET_CHANGED, fix.dist, version, fix.affected, drift)
+    check = impl.structural_check(fix.id, originals)
+    if not isinstance(check, contract.Check):
+        raise TypeError(f"{fix.implementation}.structural_check returned {type(check).__name__}, not a Check")
+    if check.drift:
+        return Record(fix.id, TARGET_CHANGED, fix.dist, version, fix.affected, check.drift)
 
     done: list[_Slot] = []
+    applied.mark_applied(fix.id, check.facts)  # before the first wrapper can run
     try:
         for target, (owner, name, _) in resolved.items():
             slot = _registry.get((id(owner), name))
             if slot is None:
                 slot = _registry[(id(owner), name)] = _Slot(owner, name)
-            slot.layers[fix.id] = getattr(impl, target.wrapper)
+            slot.layers[fix.id] = wrappers[target]
             done.append(slot)
             slot.rebuild()
     except BaseException:
         for slot in reversed(done):  # all or nothing
             _remove_layer(slot, fix.id)
+        applied.mark_removed(fix.id)
         raise
     _installed[fix.id] = done
     where = ", ".join(f"{t.module}.{t.attribute}" for t in resolved)
@@ -288,6 +281,7 @@ def _disable(fix_id: str) -> None:
     _enabled.pop(fix_id, None)
     for slot in reversed(_installed.pop(fix_id, [])):
         _remove_layer(slot, fix_id)
+    applied.mark_removed(fix_id)
 
 
 # ----------------------------------------------------------------------------- status
@@ -316,5 +310,4 @@ def status() -> list[Record]:
     return out
 
 
-def is_applied(fix_id: str) -> bool:
-    return fix_id in _installed
+is_applied = applied.is_applied

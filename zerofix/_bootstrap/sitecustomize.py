@@ -12,11 +12,15 @@ import sys
 def _activate():
     try:
         from zerofix.activation import autopatch
-
-        autopatch(default_on=True)
+        from zerofix.errors import StrictError
     except Exception as exc:  # noqa: BLE001 - never break interpreter start-up
-        if type(exc).__name__ == "StrictError":
-            raise
+        sys.stderr.write(f"zerofix: warning: bootstrap could not import zerofix: {exc!r}\n")
+        return
+    try:
+        autopatch(default_on=True)
+    except StrictError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - never break interpreter start-up
         sys.stderr.write(f"zerofix: warning: bootstrap could not activate zerofix: {exc!r}\n")
 
 

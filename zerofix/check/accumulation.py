@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from zerofix.patching import version_in_range
+from zerofix.versions import version_in_range
 
 STYLES = ("a", "b", "c", "d", "e", "f", "short")
 OWN_STYLES = ("b", "f")  # backward + step() per micro-batch
@@ -185,7 +185,7 @@ def accumulator_restarts(deepspeed_version: str) -> bool:
 
 
 def known_unpatched(cell: Cell, deepspeed_version: str) -> str:
-    """What DeepSpeed itself does with the cell's loop (DESIGN.md §2, measured 0.14.5 to 0.19.8):
+    """What DeepSpeed itself does with the cell's loop (measured 0.14.5 to 0.19.8; docs/fixes.md):
     ``noop`` when the config GAS differs from the backwards per step() and no boundary is flagged;
     on 0.17.6-0.18.2 ``error`` (a TypeError) for ZeRO-1/2 with config GAS=1 and several backwards per
     step(), and ``last`` for ZeRO-2 wherever a window has non-boundary backwards; ``last`` for ZeRO-1/2

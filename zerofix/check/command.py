@@ -11,7 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 from zerofix.check import plan, verdict
-from zerofix.patching import installed_version, version_in_range
+from zerofix.versions import installed_version, version_in_range
 
 DISTS = ("torch", "transformers", "accelerate", "deepspeed", "trl")
 

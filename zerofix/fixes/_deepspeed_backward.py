@@ -3,21 +3,21 @@ wrap it rely on, checked once, and the caller's ``scale_wrt_gas`` read from a ca
 from __future__ import annotations
 
 from zerofix.fixes._inspect import parameter_names
+from zerofix.fixes.contract import Check, drifted, found
 
 QUALNAME = "DeepSpeedEngine.backward"
-_position = 2  # index of scale_wrt_gas in backward's positional args (after self), set by check()
+POSITION = "scale_wrt_gas_at"  # the fact check() finds: scale_wrt_gas's index in args (after self)
 
 
-def check(func) -> str | None:
-    """None when backward is ``(self, loss, ..., scale_wrt_gas, ...)``, else what differs."""
-    global _position
+def check(func, **facts) -> Check:
+    """Found (with ``POSITION``, and ``facts``) when backward is ``(self, loss, ..., scale_wrt_gas, ...)``,
+    else drifted with what differs."""
     params = parameter_names(func, QUALNAME)
     if params[:2] != ["self", "loss"] or "scale_wrt_gas" not in params:
-        return f"{QUALNAME}{tuple(params)} is not (self, loss, ..., scale_wrt_gas)"
-    _position = params.index("scale_wrt_gas") - 1
-    return None
+        return drifted(f"{QUALNAME}{tuple(params)} is not (self, loss, ..., scale_wrt_gas)")
+    return found(**{POSITION: params.index("scale_wrt_gas") - 1}, **facts)
 
 
-def scale_wrt_gas(args, kwargs) -> bool:
+def scale_wrt_gas(args, kwargs, position: int) -> bool:
     """The caller's scale_wrt_gas (args without self, as a wrapt wrapper gets them)."""
-    return kwargs.get("scale_wrt_gas", args[_position] if len(args) > _position else True)
+    return kwargs.get("scale_wrt_gas", args[position] if len(args) > position else True)

@@ -20,7 +20,8 @@ a copy of this rank's reduced partition and adds it back. Backwards the user fla
 ``set_gradient_accumulation_boundary`` (open-instruct's fix, Accelerate's DeepSpeedEngineWrapper) are
 left to DeepSpeed entirely, so nothing is reduced twice. Loss scaling stays DeepSpeed's.
 
-The reduction per ZeRO stage (DESIGN.md §2): stage 0 ``allreduce_gradients()``; stage 1/2 rebuild the
+The reduction per ZeRO stage (measured exact on 0.14.5 and 0.19.8: error ~1e-8, SGD and AdamW, clipping
+included): stage 0 ``allreduce_gradients()``; stage 1/2 rebuild the
 reduction buckets, hand every parameter holding a gradient to ``reduce_ready_partitions_and_remove_grads``
 and run ``overlapping_partition_gradients_reduce_epilogue()``; stage 3 accumulates and reduces in every
 backward through its own micro-step id, so the flag alone is enough. Configurations whose reduction path
@@ -31,11 +32,14 @@ from __future__ import annotations
 
 import weakref
 
+from zerofix import applied
 from zerofix._log import log
 from zerofix.counter import FLUSH, FOLLOW, PASS, MicroStepCounter, StepPlan
 from zerofix.fixes import _deepspeed_backward
+from zerofix.fixes.contract import Check, drifted
 
 FIX_ID = "deepspeed-manual-accumulation"
+FIX_IDS = (FIX_ID,)
 _ZERO12_API = ("reduce_ready_partitions_and_remove_grads", "overlapping_partition_gradients_reduce_epilogue",
                "bit16_groups")
 _STATE_KEY = "_zerofix_accumulation"  # lives in engine.__dict__: no nn.Module.__setattr__ per call
@@ -47,28 +51,28 @@ _engines: weakref.WeakSet = weakref.WeakSet()
 _unreduced: weakref.WeakSet = weakref.WeakSet()  # engines holding lazily accumulated, un-reduced gradients
 
 
-def structural_check(targets) -> str | None:
-    drift = _deepspeed_backward.check(targets[_deepspeed_backward.QUALNAME])
-    if drift:
-        return drift
+def structural_check(fix_id: str, targets) -> Check:
+    check = _deepspeed_backward.check(targets[_deepspeed_backward.QUALNAME])
+    if check.drift:
+        return check
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     for name in ("set_gradient_accumulation_boundary", "is_gradient_accumulation_boundary",
                  "gradient_accumulation_steps", "zero_optimization_stage", "allreduce_gradients"):
         if not callable(getattr(DeepSpeedEngine, name, None)):
-            return f"DeepSpeedEngine.{name} is gone"
+            return drifted(f"DeepSpeedEngine.{name} is gone")
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     missing = [a for a in _ZERO12_API[:2] if not callable(getattr(DeepSpeedZeroOptimizer, a, None))]
     if missing:
-        return f"DeepSpeedZeroOptimizer.{missing[0]} is gone"
-    return None
+        return drifted(f"DeepSpeedZeroOptimizer.{missing[0]} is gone")
+    return check
 
 
 # ----------------------------------------------------------------------------- per-engine state
 class _EngineState:
     __slots__ = ("counter", "stage", "replaces", "eligible", "reason", "warned", "carried", "param_ids",
-                 "__weakref__")
+                 "scale_wrt_gas_at", "__weakref__")
 
     def __init__(self, engine):
         self.stage = int(engine.zero_optimization_stage())
@@ -84,6 +88,8 @@ class _EngineState:
         self.carried = None  # ZeRO-1/2: this rank's reduced partition of the window, kept for the flush
         # for the read wrappers, which reduce only ZeRO-1/2 windows
         self.param_ids = frozenset(id(p) for p in engine.module.parameters()) if self.stage in (1, 2) else ()
+        # where backward() takes scale_wrt_gas positionally, as the structural check found it
+        self.scale_wrt_gas_at = applied.facts(FIX_ID)[_deepspeed_backward.POSITION]
 
     def warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self.warned:
@@ -121,10 +127,9 @@ def _eligibility(engine, stage: int) -> tuple[bool, str]:
 
 def _accumulator_broken(opt) -> bool:
     """Whether the optimizer's epilogue is the broken one of 0.17.6-0.18.2 and zerofix has not fixed it."""
-    from zerofix import patching
     from zerofix.fixes import deepspeed_zero12_accumulator as accumulator
 
-    if patching.is_applied(accumulator.FIX_ID):
+    if applied.is_applied(accumulator.FIX_ID):
         return False
     method = getattr(type(opt), "independent_gradient_partition_epilogue", None)
     return method is not None and accumulator.drift_from_broken(method) is None
@@ -164,7 +169,7 @@ def backward(wrapped, engine, args, kwargs):
             flags[_FLAG] = None  # back to DeepSpeed's schedule
         if state.stage in (1, 2):  # ZeRO-0/3 reads are right (0: local, as DeepSpeed's) without a flush
             _unreduced.add(engine)
-    scaled = _deepspeed_backward.scale_wrt_gas(args, kwargs)
+    scaled = _deepspeed_backward.scale_wrt_gas(args, kwargs, state.scale_wrt_gas_at)
     discarding = counter.backward(explicit_boundary=explicit, mode=plan.mode, boundary=boundary,
                                   divisor=engine.gradient_accumulation_steps() if scaled else 1)
     if discarding and state.stage in (1, 2):

@@ -18,31 +18,36 @@ from __future__ import annotations
 
 import inspect
 
+from zerofix import applied
 from zerofix.fixes import _deepspeed_backward
+from zerofix.fixes.contract import Check, drifted
 
 FIX_ID = "deepspeed-scale-wrt-gas"
+FIX_IDS = (FIX_ID,)
 HOOK = "DeepSpeedEngine._backward_prologue_per_tensor"
 BACKWARD = _deepspeed_backward.QUALNAME
 _KEY = "_zerofix_scale_wrt_gas"  # in engine.__dict__ while engine.backward runs
 
 
-def structural_check(targets) -> str | None:
+def structural_check(fix_id: str, targets) -> Check:
     """None when the hook is the one measured broken: ``(self, grad)``, dividing by
     gradient_accumulation_steps unconditionally (it reads nothing else; 0.18.4 reads the flag of the
     running backward, 0.19 whether backward() scaled the graph already)."""
     hook = inspect.unwrap(targets[HOOK])
     params = list(inspect.signature(hook).parameters)
     if params != ["self", "grad"]:
-        return f"{HOOK}{tuple(params)} is not (self, grad)"
+        return drifted(f"{HOOK}{tuple(params)} is not (self, grad)")
     names = set(hook.__code__.co_names)
     if names != {"gradient_accumulation_steps"}:  # 0.18.3: ``return grad / self.gradient_accumulation_steps()``
-        return f"{HOOK} consults {sorted(names - {'gradient_accumulation_steps'})}: not the unconditional division"
+        return drifted(f"{HOOK} consults {sorted(names - {'gradient_accumulation_steps'})}: not the unconditional "
+                       "division")
     return _deepspeed_backward.check(targets[BACKWARD])
 
 
 def backward(wrapped, engine, args, kwargs):
     flags = engine.__dict__  # not nn.Module.__setattr__: ~1 us per call
-    flags[_KEY] = bool(_deepspeed_backward.scale_wrt_gas(args, kwargs))
+    position = applied.facts(FIX_ID)[_deepspeed_backward.POSITION]
+    flags[_KEY] = bool(_deepspeed_backward.scale_wrt_gas(args, kwargs, position))
     try:
         return wrapped(*args, **kwargs)
     finally:

@@ -22,7 +22,10 @@ import ast
 import inspect
 import textwrap
 
+from zerofix.fixes.contract import Check, drifted, found
+
 FIX_ID = "deepspeed-zero12-accumulator"
+FIX_IDS = (FIX_ID,)
 TARGET = "DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue"
 _MISSING = object()
 
@@ -40,17 +43,17 @@ class _Accumulating:
 _ACCUMULATING = _Accumulating()
 
 
-def structural_check(targets) -> str | None:
+def structural_check(fix_id: str, targets) -> Check:
     drift = drift_from_broken(targets[TARGET])
     if drift:
-        return drift
+        return drifted(drift)
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     assigned = _self_attributes(DeepSpeedZeroOptimizer.__init__)
     for name in ("bit16_groups", "all_grad_tensors", "averaged_gradients", "cpu_offload"):
         if name not in assigned:
-            return f"DeepSpeedZeroOptimizer no longer sets self.{name}"
-    return None
+            return drifted(f"DeepSpeedZeroOptimizer no longer sets self.{name}")
+    return found()
 
 
 def drift_from_broken(func) -> str | None:

@@ -19,26 +19,27 @@ from __future__ import annotations
 
 import inspect
 
+from zerofix import applied
+from zerofix.fixes.contract import Check, drifted, found
+
 FIX_ID = "trl-chunked-nll-zero3"
+FIX_IDS = (FIX_ID,)
 TARGET = "_chunked_cross_entropy_loss"
 # The measured signature (1.4.0 and 1.5.1 are identical in this function).
 PARAMETERS = ["hidden_states", "lm_head_weight", "chunk_size", "labels", "shift_labels", "num_items_in_batch",
               "logit_scale", "final_logit_softcapping", "lm_head_bias"]
-_signature = None
 
 
-def structural_check(targets) -> str | None:
-    global _signature
+def structural_check(fix_id: str, targets) -> Check:
     function = inspect.unwrap(targets[TARGET])
     params = list(inspect.signature(function).parameters)
     if params != PARAMETERS:
-        return f"trl.trainer.sft_trainer.{TARGET}{tuple(params)} is not the measured {tuple(PARAMETERS)}"
-    _signature = inspect.signature(function)
-    return None
+        return drifted(f"trl.trainer.sft_trainer.{TARGET}{tuple(params)} is not the measured {tuple(PARAMETERS)}")
+    return found(signature=inspect.signature(function))
 
 
 def chunked_cross_entropy_loss(wrapped, instance, args, kwargs):
-    bound = _signature.bind(*args, **kwargs)
+    bound = applied.facts(FIX_ID)["signature"].bind(*args, **kwargs)
     bound.apply_defaults()
     a = bound.arguments
     if a["labels"] is None and a["shift_labels"] is None:

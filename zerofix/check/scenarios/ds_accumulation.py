@@ -245,10 +245,9 @@ def run_cell(cell, init_state, rank, world, checkpoint_dir: Path) -> dict:
 
 
 def _zerofix_active() -> bool:
-    import sys
+    from zerofix import applied
 
-    patching = sys.modules.get("zerofix.patching")
-    return patching is not None and patching.is_applied(FIX)
+    return applied.is_applied(FIX)
 
 
 def _runtime(engine) -> dict:
@@ -265,7 +264,8 @@ def _runtime(engine) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cells", required=True, help="JSON file: a list of Cell field dicts")
-    parser.add_argument("--variants", default="unpatched,patched", help="unpatched, patched and/or env")
+    parser.add_argument("--variants", default="unpatched,patched",
+                        help="unpatched, patched, repatched (patch, unpatch, patch) and/or env")
     parser.add_argument("--fixes", default=None, help="comma-separated fix ids the patched variant enables "
                         "(default: every DeepSpeed fix of the catalogue)")
     parser.add_argument("--out", required=True)
@@ -288,13 +288,16 @@ def main() -> None:
         torch.save(init_state, out / "init.pt")
     record = {"rank": rank, "world": world, "cells": {}}
     for variant in args.variants.split(","):
-        if variant == "patched":
+        if variant in ("patched", "repatched"):
             import zerofix
 
             from zerofix import catalogue
 
-            zerofix.patch(fixes=args.fixes.split(",") if args.fixes else
-                          [f.id for f in catalogue.FIXES if f.dist == "deepspeed"])
+            fixes = args.fixes.split(",") if args.fixes else [f.id for f in catalogue.FIXES if f.dist == "deepspeed"]
+            zerofix.patch(fixes=fixes)
+            if variant == "repatched":  # every wrapper installed, removed and installed again before training
+                zerofix.unpatch(fixes)
+                zerofix.patch(fixes=fixes)
         results = record["cells"][variant] = {}
         for cell in cells:
             checkpoint_dir = out / "checkpoints" / variant / cell.name

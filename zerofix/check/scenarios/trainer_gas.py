@@ -27,8 +27,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=5.0,
                    help="large, so the update dominates the fp32 rounding of weights near 1.0 (norms)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--zerofix", choices=("off", "on", "both", "env"), default="both",
-                   help="env: leave activation to ZEROFIX / zerofix run")
+    p.add_argument("--zerofix", choices=("off", "on", "both", "env", "repatched"), default="both",
+                   help="env: leave activation to ZEROFIX / zerofix run; repatched: patch(), unpatch(), patch() "
+                   "after transformers is imported, then train")
     p.add_argument("--no-average-tokens", action="store_true")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                    help="train through DeepSpeed with this ZeRO stage (default: no DeepSpeed)")
@@ -51,7 +52,7 @@ def cell_args(args, cell: dict):
 
 
 def deepspeed_config(stage: int) -> dict:
-    # No train_batch_size: "auto" is resolved before the process group exists (DESIGN.md §5).
+    # No train_batch_size: "auto" is resolved before the process group exists.
     return {
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",  # max_grad_norm=0 -> 0 (DeepSpeed >= 0.19 would default to 1.0)
@@ -62,7 +63,7 @@ def deepspeed_config(stage: int) -> dict:
 
 def step_without_grad_mode() -> None:
     """DeepSpeed 0.18.x's ZeRO-1/2 optimizer step modifies a split view in place, which torch 2.13
-    rejects unless grad mode is off (a CPU/torch-version quirk, DESIGN.md §5, not a numerical bug). A
+    rejects unless grad mode is off (a CPU/torch-version quirk, not a numerical bug). A
     raw loop wraps engine.step() in torch.no_grad(); the Trainer cannot, so the scenario does it here."""
     import torch
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -175,9 +176,16 @@ def main(argv=None):
         runs = [(cell_args(args, cell), out / cell["name"]) for cell in cells]
         for _, cell_out in runs:
             cell_out.mkdir(parents=True, exist_ok=True)
-    variants = {"off": ["unpatched"], "on": ["patched"], "both": ["unpatched", "patched"], "env": ["env"]}
+    variants = {"off": ["unpatched"], "on": ["patched"], "both": ["unpatched", "patched"], "env": ["env"],
+                "repatched": ["repatched"]}
     for variant in variants[args.zerofix]:
         if variant == "patched":
+            zerofix.patch()
+        if variant == "repatched":  # every wrapper installed, removed and installed again before training
+            import transformers.trainer  # noqa: F401
+
+            zerofix.patch()
+            zerofix.unpatch()
             zerofix.patch()
         for run_args, run_out in runs:
             train(run_args, variant, run_out, world, rank)

@@ -98,7 +98,7 @@ def train(args) -> dict:
 
     from accelerate import PartialState
 
-    PartialState(backend="gloo")  # accelerate >= 1.13 on CPU otherwise sees one process (DESIGN.md §5)
+    PartialState(backend="gloo")  # accelerate >= 1.13 on CPU otherwise sees one process
     phase = {"now": "setup"}
     config = SFTConfig(
         output_dir=str(Path(args.out) / "trainer"), per_device_train_batch_size=2, per_device_eval_batch_size=2,

@@ -1,10 +1,35 @@
-"""The one mechanism behind the Trainer's gradient-accumulation scaling fixes.
+"""The Trainer's gradient-accumulation scaling: three catalogue entries, one mechanism.
 
-Three catalogue entries (transformers-nokw-undivided, transformers-deepspeed-double-division,
-transformers-accelerate-double-division) correct the same path, Trainer.training_step ->
-Accelerator.backward -> DeepSpeed, on different releases. Each wraps the same two attributes with the
-wrappers below; when two are applied (4.46-4.47) their layers stack, and the outermost layer of each
-call does the whole job while inner layers pass through, so no correction is applied twice:
+Three entries correct the same path, Trainer.training_step -> Accelerator.backward -> DeepSpeed, on
+different releases:
+
+``transformers-nokw-undivided`` (transformers >=4.46,<4.48)
+    4.46 stopped dividing the loss by gradient_accumulation_steps in training_step, relying on the model
+    normalising by ``num_items_in_batch``. A model whose forward takes no ``**kwargs`` never sees that count
+    and returns its micro-batch mean, which nothing divides without DeepSpeed: updates are GAS times too
+    large (measured 8.000 at GAS=8, 1 process and 2-rank DDP). With DeepSpeed the engine's own division
+    happens to be the only one. Upstream (#35207, 4.48.0) divides by GAS in training_step; zerofix divides
+    by the window's real length (what ``get_batch_samples`` fetched), and then the DeepSpeed entry lets the
+    engine divide by 1, as on 4.49.
+``transformers-deepspeed-double-division`` (transformers >=4.46,<4.49, with DeepSpeed)
+    From 4.46 the Trainer hands Accelerator.backward a loss that is already per window: the model normalised
+    it by ``num_items_in_batch`` (models taking loss kwargs), or, from 4.48, the Trainer divided it by GAS.
+    With DeepSpeed, accelerate passes it to ``engine.backward``, which divides by GAS again (its default
+    ``scale_wrt_gas=True``): updates of 1/GAS (measured 0.125 at GAS=8, ZeRO-2 and ZeRO-3, 1 and 2 ranks;
+    4.46-4.47 models with loss kwargs, 4.48 every model). Upstream (#35808, 4.49.0) passes
+    ``scale_wrt_gas=False`` from training_step; zerofix passes it from its Accelerator.backward wrapper, for
+    the Trainer's calls only and only when the loss is already per window.
+``transformers-accelerate-double-division`` (transformers >=5.2.0,<5.5.4)
+    From 5.2.0 the Trainer builds its Accelerator with ``num_steps=gradient_accumulation_steps``, so
+    ``Accelerator.backward`` divides by GAS a loss the Trainer already divided (or the model already
+    normalised by ``num_items_in_batch``): every non-DeepSpeed update is 1/GAS of the intended one.
+    DeepSpeed is unaffected (accelerate leaves scaling to the engine, which the Trainer tells not to).
+    Upstream (#45349, 5.5.4) gives accelerate ``num_steps=1``; zerofix makes accelerate divide by 1 for the
+    Trainer's own backward calls only, so a plain ``accelerator.accumulate`` loop keeps its division.
+
+Each entry wraps the same attributes with the wrappers below; when two are applied (4.46-4.47) their layers
+stack, and the outermost layer of each call does the whole job while inner layers pass through, so no
+correction is applied twice (the rule is ``zerofix.scaling``):
 
 - ``training_step`` opens a ``TrainerStep`` on the trainer's accelerator for the duration of the call:
   the backward inside it is the Trainer's (a plain ``accelerator.accumulate`` loop is never touched);
@@ -13,6 +38,9 @@ call does the whole job while inner layers pass through, so no correction is app
   ``scale_wrt_gas=False`` to DeepSpeed, or let accelerate divide by 1 for this call;
 - ``get_batch_samples`` records how many micro-batches the Trainer fetched for the window (the last
   window of an epoch can be shorter than gradient_accumulation_steps).
+
+Trainers created before ``patch()`` are covered (the wrappers are on the classes), and ``unpatch()`` leaves
+no state behind.
 """
 from __future__ import annotations
 
@@ -20,11 +48,13 @@ import inspect
 
 from accelerate.utils import DistributedType  # imported by the fixes only, once accelerate is
 
-from zerofix import catalogue, patching, scaling
+from zerofix import applied, catalogue, scaling, versions
+from zerofix.fixes.contract import Check, drifted, found
 
 NOKW = "transformers-nokw-undivided"
 DEEPSPEED = "transformers-deepspeed-double-division"
 ACCELERATE = "transformers-accelerate-double-division"
+FIX_IDS = (NOKW, DEEPSPEED, ACCELERATE)
 _STEP = "_zerofix_trainer_step"  # in accelerator.__dict__ while a Trainer step runs
 _WINDOW = "_zerofix_window"  # in trainer.__dict__: micro-batches of the current window
 
@@ -43,27 +73,47 @@ _release_leaves_nokw_undivided = None
 def release_leaves_nokw_undivided() -> bool:
     """Whether the installed Trainer leaves the loss of a model without loss kwargs undivided (the nokw
     entry's range, whether or not that entry is applied: the DeepSpeed entry must know either way)."""
-    global _release_leaves_nokw_undivided
+    global _release_leaves_nokw_undivided  # a cache of an installed-version fact, not patch state
     if _release_leaves_nokw_undivided is None:
-        version = patching.installed_version("transformers")
-        _release_leaves_nokw_undivided = bool(version) and patching.version_in_range(
+        version = versions.installed_version("transformers")
+        _release_leaves_nokw_undivided = bool(version) and versions.version_in_range(
             version, catalogue.by_id(NOKW).affected)
     return _release_leaves_nokw_undivided
 
 
-def check_targets(targets) -> str | None:
-    """The structural check the three entries share: the signatures the wrappers read."""
+def structural_check(fix_id: str, targets) -> Check:
+    """The signatures the wrappers read, plus what each entry's correction relies on."""
+    if fix_id == NOKW:
+        params = list(inspect.signature(targets["Trainer.get_batch_samples"]).parameters)
+        if params[:3] != ["self", "epoch_iterator", "num_batches"]:
+            return drifted(f"Trainer.get_batch_samples{tuple(params)} is not (self, epoch_iterator, num_batches, ...)")
+    elif fix_id == DEEPSPEED:
+        from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+        params = inspect.signature(DeepSpeedEngineWrapper.backward).parameters.values()
+        if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params):
+            return drifted("DeepSpeedEngineWrapper.backward takes no **kwargs: scale_wrt_gas cannot reach "
+                           "engine.backward")
+    elif fix_id == ACCELERATE:
+        from accelerate.accelerator import Accelerator
+
+        prop = inspect.getattr_static(Accelerator, "gradient_accumulation_steps", None)
+        if not isinstance(prop, property) or prop.fset is None:
+            return drifted("Accelerator.gradient_accumulation_steps is no longer a settable property")
+    else:
+        raise KeyError(fix_id)
     step = targets.get("Trainer.training_step")
     if step is not None:
         params = list(inspect.signature(step).parameters)
         if params[:4] != ["self", "model", "inputs", "num_items_in_batch"]:
-            return f"Trainer.training_step{tuple(params)} is not (self, model, inputs, num_items_in_batch, ...)"
+            return drifted(f"Trainer.training_step{tuple(params)} is not "
+                           "(self, model, inputs, num_items_in_batch, ...)")
     backward = targets.get("Accelerator.backward")
     if backward is not None:
         params = list(inspect.signature(backward).parameters.values())
         if [p.name for p in params[:2]] != ["self", "loss"] or params[-1].kind != inspect.Parameter.VAR_KEYWORD:
-            return f"Accelerator.backward{tuple(p.name for p in params)} is not (self, loss, **kwargs)"
-    return None
+            return drifted(f"Accelerator.backward{tuple(p.name for p in params)} is not (self, loss, **kwargs)")
+    return found()
 
 
 def training_step(wrapped, trainer, args, kwargs):
@@ -108,8 +158,8 @@ def describe(accelerator, step: TrainerStep, kwargs) -> scaling.Call:
 
 
 def corrections() -> scaling.Corrections:
-    return scaling.Corrections(patching.is_applied(NOKW), patching.is_applied(DEEPSPEED),
-                               patching.is_applied(ACCELERATE))
+    return scaling.Corrections(applied.is_applied(NOKW), applied.is_applied(DEEPSPEED),
+                               applied.is_applied(ACCELERATE))
 
 
 def backward(wrapped, accelerator, args, kwargs):

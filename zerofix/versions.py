@@ -1,0 +1,26 @@
+"""Which release of a distribution is installed, and whether a release is in a PEP 440 range.
+
+A leaf: the version guard (``patching``), the fixes that must know another entry's range, and ``zerofix
+check``'s verdicts all read versions here. Imports are lazy (``importlib.metadata`` and ``packaging`` cost
+milliseconds that interpreter start-up with ``ZEROFIX=1`` must not pay).
+"""
+from __future__ import annotations
+
+
+def installed_version(dist: str) -> str | None:
+    """The installed version of ``dist`` (an importlib.metadata name), None when it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def version_in_range(version: str, affected: str) -> bool:
+    """Whether ``version`` is inside the PEP 440 specifier ``affected``, prereleases included: a
+    ``5.9.0.dev0`` build must be judged by its number, not skipped."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    return SpecifierSet(affected).contains(Version(version), prereleases=True)
