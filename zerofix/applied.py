@@ -27,7 +27,3 @@ def mark_applied(fix_id: str, found=None) -> None:
 
 def mark_removed(fix_id: str) -> None:
     _facts.pop(fix_id, None)
-
-
-def applied_ids() -> tuple[str, ...]:
-    return tuple(_facts)
