@@ -43,6 +43,7 @@ class Fix(NamedTuple):
 TRAINER = "zerofix.fixes.trainer_scaling"
 MANUAL = "zerofix.fixes.deepspeed_manual_accumulation"
 SCALE = "zerofix.fixes.deepspeed_scale_wrt_gas"
+HOOK = "zerofix.fixes.deepspeed_output_hook_division"
 
 FIXES: tuple[Fix, ...] = (
     # The Trainer's gradient-accumulation scaling, one mechanism (zerofix.fixes.trainer_scaling, rule in
@@ -158,6 +159,28 @@ FIXES: tuple[Fix, ...] = (
         fixed_in="0.18.4",
         where="Trainer with DeepSpeed and GAS > 1 (it passes scale_wrt_gas=False): updates are 1/GAS, and "
         "1/GAS**2 under ZeRO-0/1/2 for a model that returns its logits next to the loss",
+    ),
+    Fix(
+        id="deepspeed-output-hook-division",
+        title="DeepSpeed divides the gradient at every output of the forward by GAS: a loss computed from "
+        "logits the model also returns is divided twice",
+        dist="deepspeed",
+        # The hooks are new in 0.18.3 (#7665). engine.backward() divides once at the root from 0.19.6 on;
+        # a direct loss.backward() still divides at every output in 0.19.8 (measured).
+        affected=">=0.18.3",
+        targets=(
+            Target("deepspeed.runtime.utils", "OutputBackwardHookManager._make_backward_hook", HOOK + ":make_backward_hook"),
+            Target("deepspeed.runtime.engine", "DeepSpeedEngine._backward_prologue_per_tensor",
+                   HOOK + ":per_tensor"),
+            Target("deepspeed.runtime.engine", "DeepSpeedEngine.backward", HOOK + ":backward"),
+        ),
+        implementation=HOOK,
+        upstream=("https://github.com/deepspeedai/DeepSpeed/pull/7665",),
+        fixed_in=None,
+        where="ZeRO-0/1/2, gradient_accumulation_steps > 1, a model returning its logits next to the loss "
+        "(every Hugging Face model): engine.backward(loss) on 0.18.3-0.19.5 (DeepSpeed's own loop, a plain "
+        "accelerate loop), loss.backward() on every release since 0.18.3: updates are 1/GAS of the "
+        "intended ones",
     ),
     Fix(
         id="trl-chunked-nll-zero3",

@@ -41,6 +41,7 @@ class Cell(NamedTuple):
     windows: int = 2  # how many windows (styles a-e)
     repeat: bool = False  # every window trains on the first window's samples (a loss curve that can fall)
     probe: bool = False  # record every observable (zerofix.check.scenarios.ds_accumulation.Probe)
+    direct: bool = False  # the loop calls loss.backward() itself (torch-style backward, ZeRO-1/2/3 >= 0.18.3)
 
     @property
     def name(self) -> str:
@@ -51,8 +52,9 @@ class Cell(NamedTuple):
         windows = "" if self.windows == 2 else f"-w{self.windows}"
         repeat = "-repeat" if self.repeat else ""
         probe = "-probe" if self.probe else ""
+        direct = "-direct" if self.direct else ""
         return (f"z{self.stage}{overlap}-gas{self.gas}-{self.style}-{self.optimizer}{resume}{logits}{scaled}"
-                f"{windows}{repeat}{probe}")
+                f"{windows}{repeat}{probe}{direct}")
 
     @property
     def clip(self) -> float:
@@ -142,7 +144,11 @@ def transparency_matrix(deepspeed_version: str) -> list[Cell]:
     clipped = [Cell(stage, 4, "f", "sgd", overlap, probe=True) for stage, overlap in stages]
     accumulating = [Cell(stage, 1, "a", "sgd", probe=True) for stage in (0, 1, 2, 3)
                     if not zerofix_takes_over(Cell(stage, 1, "a"), deepspeed_version)]
-    return own + clipped + accumulating
+    # a model returning its logits, wherever DeepSpeed divides its gradient once (deepspeed-output-hook-
+    # division then divides at the loss instead of DeepSpeed's hook: the same operation on the same tensor)
+    logits = [Cell(stage, gas, "b", "sgd", logits=True, probe=True) for stage in (0, 1, 2, 3) for gas in (1, 4)
+              if not output_hook_divides_twice(Cell(stage, gas, "b", logits=True), deepspeed_version)]
+    return own + clipped + accumulating + logits
 
 
 def takeover_probes(deepspeed_version: str) -> list[Cell]:
@@ -165,12 +171,14 @@ def zerofix_takes_over(cell: Cell, deepspeed_version: str) -> bool:
 def output_hook_divides_twice(cell: Cell, deepspeed_version: str) -> bool:
     """ZeRO-0/1/2 with config GAS > 1 and a model that returns its logits next to the loss: the engine's
     output-tensor backward hook divides the gradient of *every* output by GAS, and the logits lie on the
-    loss's path, so each loss is divided by GAS twice. Measured on 0.18.3 and 0.18.9; 0.16.3, 0.18.0
-    and 0.19.8 are exact. Under ``scale_wrt_gas=False`` the hook divides only on 0.18.3. A scaling bug
-    of its own: no zerofix fix covers it (yet)."""
+    loss's path, so each loss is divided by GAS twice (deepspeed-output-hook-division). Through
+    ``engine.backward`` on 0.18.3 - 0.19.5 (0.19.6 divides once at the root; measured 0.18.3, 0.18.9 wrong,
+    0.16.3, 0.18.0, 0.19.8 exact), through a direct ``loss.backward()`` on every release from 0.18.3
+    (measured 0.18.9 and 0.19.8). Under ``scale_wrt_gas=False`` the hook divides only on 0.18.3."""
     hook_divides = cell.scale_wrt_gas or version_in_range(deepspeed_version, "==0.18.3")
+    releases = ">=0.18.3" if cell.direct else ">=0.18.3,<0.19.6"
     return (cell.logits and cell.gas > 1 and cell.stage < 3 and hook_divides
-            and version_in_range(deepspeed_version, ">=0.18.3,<0.19"))
+            and version_in_range(deepspeed_version, releases))
 
 
 def hook_ignores_scale_wrt_gas(cell: Cell, deepspeed_version: str) -> bool:
@@ -210,9 +218,8 @@ def known_unpatched(cell: Cell, deepspeed_version: str) -> str:
 
 
 def known_patched(cell: Cell, deepspeed_version: str) -> str:
-    """With every DeepSpeed fix applied: every window applied; the output hook's division of a loss-and-
-    logits model under ``scale_wrt_gas=True`` stays as DeepSpeed does it."""
-    return DOUBLE if cell.scale_wrt_gas and output_hook_divides_twice(cell, deepspeed_version) else CORRECT
+    """With every DeepSpeed fix applied: every window applied, every gradient divided once."""
+    return CORRECT
 
 
 def extra_cells() -> list[Cell]:
@@ -223,3 +230,11 @@ def extra_cells() -> list[Cell]:
             + [Cell(stage, 4, style, logits=True) for stage in (0, 1, 2, 3) for style in "ab"]
             + [Cell(stage, 4, "b", logits=logits, scale_wrt_gas=False) for stage in (0, 1, 2, 3)
                for logits in (False, True)])
+
+
+def direct_backward_cells(deepspeed_version: str) -> list[Cell]:
+    """DeepSpeed's own loop with ``loss.backward()`` instead of ``engine.backward(loss)`` (the PyTorch-style
+    backward, ZeRO-1/2/3 from 0.18.3; earlier releases do not reduce such a backward at all)."""
+    if not version_in_range(deepspeed_version, ">=0.18.3"):
+        return []
+    return [Cell(stage, 4, "b", logits=logits, direct=True) for stage in (1, 2, 3) for logits in (False, True)]

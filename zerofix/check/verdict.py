@@ -30,9 +30,6 @@ class Known(NamedTuple):
 
 
 KNOWN: tuple[Known, ...] = (
-    Known(("accelerate-zero2-*",), (("deepspeed", ">=0.18.3,<0.19"),),
-          "known, not fixed: DeepSpeed 0.18.3-0.18.9's output hook divides the logits' gradient by GAS too "
-          "(engine.backward with scale_wrt_gas=True); docs/fixes.md 'Measured, not fixed yet'"),
     Known(("accelerate-zero2-*", "accelerate-zero3-*"), (("accelerate", "==1.3.0"), ("deepspeed", "==0.16.3")),
           "known, not fixed: accelerate 1.3.0 enters engine.no_sync() in accumulate(), which DeepSpeed 0.16.3 "
           "rejects for ZeRO-2/3 on 2+ ranks"),

@@ -11,8 +11,8 @@ DeepSpeed 0.18.4 (#7724) makes the hook honour the flag of the running ``backwar
 zerofix does the same from outside: its ``backward`` wrapper records the caller's ``scale_wrt_gas`` on
 the engine for the duration of the call, and its wrapper of the hook passes the gradient through
 unscaled while that flag is False. A backward that does not go through ``engine.backward`` (a plain
-``loss.backward()``) keeps DeepSpeed's default, dividing. The division of both outputs with
-``scale_wrt_gas=True`` is 0.18.4 - 0.18.9's behaviour too and is left alone here.
+``loss.backward()``) keeps DeepSpeed's default, dividing. The division at both outputs with
+``scale_wrt_gas=True`` (0.18.3 - 0.19.5) is deepspeed-output-hook-division's; on 0.18.3 both layer.
 """
 from __future__ import annotations
 

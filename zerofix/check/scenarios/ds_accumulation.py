@@ -208,7 +208,9 @@ def run_cell(cell, init_state, rank, world, checkpoint_dir: Path) -> dict:
             batch = models.collate(accumulation.sample_indices(micro_step, rank, world))
             loss = engine(**batch)["loss"] / divisor
             kwargs = {} if cell.scale_wrt_gas else {"scale_wrt_gas": False}
-            if probe is not None:
+            if cell.direct:  # torch-style: DeepSpeed's output hooks scale and its post hook reduces
+                loss.backward()
+            elif probe is not None:
                 probe.backward(loss, **kwargs)
             else:
                 engine.backward(loss, **kwargs)
