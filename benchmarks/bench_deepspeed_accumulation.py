@@ -13,6 +13,7 @@ Launch: ``python -m torch.distributed.run --standalone --nproc_per_node 2 benchm
    DeepSpeed's own boundary (config GAS=4, backward + step per micro-batch, unpatched) and zerofix's lazy
    boundary (config GAS=1, 4 backwards then one step, patched), per ZeRO stage. The first window warms up.
 
+4. deepspeed-output-hook-division's three wrappers, per call (output_hook_per_call_us).
 Targets (issue 3): < 10 us per wrapped call; the flush communicates no more than a boundary backward.
 """
 from __future__ import annotations
@@ -226,6 +227,73 @@ def own_style_window_ms() -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+# ----------------------------------------------------------------------------- 4. output hooks
+HOOK_FIX = "deepspeed-output-hook-division"
+
+
+def output_hook_per_call_us(n: int = 5000) -> dict:
+    """deepspeed-output-hook-division's wrappers, per call, around DeepSpeed's real hook manager on a small
+    (loss, logits) graph (a whole engine micro-step is ~4 ms on 2 busy cores: noise of +-0.3 ms hides them).
+    ``hooks``: a backward through the manager's two output hooks (the direct-backward path: the loss's hook
+    walks to the logits, the logits' hook passes), minus the same backward through the bare manager, per
+    hook. ``backward``: the engine.backward wrapper (a hook on the loss, registered and removed) around a
+    no-op backward. ``per_tensor``: the per-tensor wrapper with nothing to skip."""
+    import wrapt
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.utils import OutputBackwardHookManager
+    from zerofix import applied
+    from zerofix.fixes import deepspeed_output_hook_division as hook
+
+    targets = {hook.MAKE_HOOK: OutputBackwardHookManager._make_backward_hook,
+               hook.PER_TENSOR: DeepSpeedEngine._backward_prologue_per_tensor, hook.BACKWARD: DeepSpeedEngine.backward}
+    applied.mark_applied(HOOK_FIX, hook.structural_check(HOOK_FIX, targets).facts)
+    facts = dict(applied.facts(HOOK_FIX))
+    applied.mark_applied(HOOK_FIX, {**facts, hook.ROOT_SCALED: False})  # time the wrapper where it acts
+
+    class Engine:  # stands for the engine: its per-tensor function divides by GAS
+        def _backward_prologue_per_tensor(self, grad):
+            return grad / 4
+
+        def gradient_accumulation_steps(self):
+            return 4
+
+    class Patched(Engine):
+        _backward_prologue_per_tensor = wrapt.FunctionWrapper(Engine._backward_prologue_per_tensor, hook.per_tensor)
+
+    class PatchedManager(OutputBackwardHookManager):
+        _make_backward_hook = wrapt.FunctionWrapper(OutputBackwardHookManager._make_backward_hook,
+                                                    hook.make_backward_hook)
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 11)
+
+    def train(engine, manager_cls):
+        logits = x @ w
+        loss = logits.log_softmax(-1).mean()
+        manager_cls(lambda: None, engine._backward_prologue_per_tensor).register_hooks_on_outputs(
+            {"loss": loss, "logits": logits})
+        loss.backward()
+
+    bare, patched = (Engine(), OutputBackwardHookManager), (Patched(), PatchedManager)
+    added = [timeit.timeit(lambda: train(*patched), number=n) - timeit.timeit(lambda: train(*bare), number=n)
+             for _ in range(5)]
+    out = {"hooks": statistics.median(added) / n / 2 * 1e6}
+
+    def noop_backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        return loss
+
+    engine, loss = Engine(), torch.zeros((), requires_grad=True) * 1
+    wrapped = wrapt.FunctionWrapper(noop_backward, hook.backward).__get__(engine, Engine)
+    plain = noop_backward.__get__(engine, Engine)
+    out["backward"] = statistics.median(timeit.timeit(lambda: wrapped(loss), number=n)
+                                        - timeit.timeit(lambda: plain(loss), number=n) for _ in range(5)) / n * 1e6
+    grad = torch.zeros(4)
+    out["per_tensor"] = statistics.median(
+        timeit.timeit(lambda: Patched()._backward_prologue_per_tensor(grad), number=n)
+        - timeit.timeit(lambda: Engine()._backward_prologue_per_tensor(grad), number=n) for _ in range(5)) / n * 1e6
+    applied.mark_removed(HOOK_FIX)
+    return out
+
+
 # ----------------------------------------------------------------------------- 3. communication
 def window_collectives(stage: int, gas: int, style: str, patched: bool) -> dict:
     if patched:
@@ -257,6 +325,7 @@ def main() -> None:
     report["per_call_us"] = per_call_us()
     report["backport_per_call_us"] = backport_per_call_us()
     report["own_style_window_ms"] = own_style_window_ms()
+    report["output_hook_per_call_us"] = output_hook_per_call_us()
     report["collectives"] = {}
     for stage in (0, 1, 2, 3):
         boundary = window_collectives(stage, 4, "b", patched=False)
@@ -276,6 +345,8 @@ def main() -> None:
               f"a gradient read with nothing pending: +{pc['read_added_per_call_us']:.2f} us")
         for label, us in report["backport_per_call_us"].items():
             print(f"per {label} call: +{us:.2f} us")
+        for label, us in report["output_hook_per_call_us"].items():
+            print(f"per {label} call ({HOOK_FIX}): +{us:.2f} us")
         print(f"DeepSpeed's own style, ZeRO-2, one 4-micro-batch window: unpatched {e2e['unpatched']:.2f} ms, "
               f"patched {e2e['patched']:.2f} ms (x{e2e['patched'] / e2e['unpatched']:.3f})")
         print("\ncollective calls per window (elements):")

@@ -42,6 +42,7 @@ class Cell(NamedTuple):
     repeat: bool = False  # every window trains on the first window's samples (a loss curve that can fall)
     probe: bool = False  # record every observable (zerofix.check.scenarios.ds_accumulation.Probe)
     direct: bool = False  # the loop calls loss.backward() itself (torch-style backward, ZeRO-1/2/3 >= 0.18.3)
+    offload: bool = False  # ZeRO-1/2 optimizer offload to CPU (the torch optimizer runs on the fp32 partition)
 
     @property
     def name(self) -> str:
@@ -53,6 +54,7 @@ class Cell(NamedTuple):
         repeat = "-repeat" if self.repeat else ""
         probe = "-probe" if self.probe else ""
         direct = "-direct" if self.direct else ""
+        direct += "-offload" if self.offload else ""
         return (f"z{self.stage}{overlap}-gas{self.gas}-{self.style}-{self.optimizer}{resume}{logits}{scaled}"
                 f"{windows}{repeat}{probe}{direct}")
 

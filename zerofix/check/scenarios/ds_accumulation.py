@@ -36,9 +36,12 @@ def ds_config(cell: accumulation.Cell) -> dict:
             # several buckets per backward, and tiny parameters really partitioned under ZeRO-3
             "reduce_bucket_size": 2500, "allgather_bucket_size": 2500,
             "stage3_param_persistence_threshold": 0,
+            **({"offload_optimizer": {"device": "cpu"}} if cell.offload else {}),
         },
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
+        # a torch optimizer on the offloaded fp32 partition (DeepSpeedCPUAdam would need a C++ build)
+        **({"zero_force_ds_cpu_optimizer": False} if cell.offload else {}),
     }
 
 
