@@ -44,6 +44,7 @@ TRAINER = "zerofix.fixes.trainer_scaling"
 MANUAL = "zerofix.fixes.deepspeed_manual_accumulation"
 SCALE = "zerofix.fixes.deepspeed_scale_wrt_gas"
 HOOK = "zerofix.fixes.deepspeed_output_hook_division"
+SHORT = "zerofix.fixes.accelerate_short_window"
 
 FIXES: tuple[Fix, ...] = (
     # The Trainer's gradient-accumulation scaling, one mechanism (zerofix.fixes.trainer_scaling, rule in
@@ -98,6 +99,21 @@ FIXES: tuple[Fix, ...] = (
         fixed_in="5.5.4",
         where="Trainer without DeepSpeed (1 process or DDP), gradient_accumulation_steps > 1: "
         "updates are 1/GAS of the correct ones",
+    ),
+    Fix(
+        id="accelerate-short-last-window",
+        title="A plain accelerator.accumulate loop divides the short last window of an epoch by "
+        "gradient_accumulation_steps instead of its length",
+        dist="accelerate",
+        affected=">=1.1.1",  # every release measured (1.1.1 - 1.15.0); no upstream fix known
+        targets=(
+            Target("accelerate.accelerator", "Accelerator.accumulate", SHORT + ":accumulate"),
+            Target("accelerate.accelerator", "Accelerator.backward", SHORT + ":backward"),
+        ),
+        implementation=SHORT,
+        fixed_in=None,
+        where="with accelerator.accumulate(model) over an epoch whose number of micro-batches is not a multiple "
+        "of GAS, without DeepSpeed (1 process, DDP): the last window's update is n/GAS of its mean",
     ),
     Fix(
         id="deepspeed-manual-accumulation",
