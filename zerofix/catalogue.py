@@ -116,6 +116,19 @@ FIXES: tuple[Fix, ...] = (
         "of GAS, without DeepSpeed (1 process, DDP): the last window's update is n/GAS of its mean",
     ),
     Fix(
+        id="accelerate-deepspeed-no-sync",
+        title="accelerator.accumulate() enters a ZeRO-2/3 engine's no_sync(), which DeepSpeed >= 0.16 rejects",
+        dist="accelerate",
+        affected=">=1.1.1,<1.9.0",  # 1.1.1 - 1.8.0's no_sync reads no ZeRO stage (sources); 1.3.0 measured
+        targets=(
+            Target("accelerate.accelerator", "Accelerator.no_sync", "zerofix.fixes.accelerate_deepspeed_no_sync:no_sync"),
+        ),
+        implementation="zerofix.fixes.accelerate_deepspeed_no_sync",
+        fixed_in="1.9.0",
+        where="with accelerator.accumulate(model), DeepSpeed >= 0.16 ZeRO-2/3, 2+ ranks, GAS > 1: "
+        "AssertionError 'no_sync context manager is incompatible with gradient partitioning' on every rank",
+    ),
+    Fix(
         id="deepspeed-manual-accumulation",
         title="Several engine.backward() before one engine.step() apply only the last micro-batch, "
         "or nothing",

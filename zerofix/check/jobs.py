@@ -39,8 +39,18 @@ def trainer(job, rows, nproc, out_dir, timeout):
 def accelerate(job, rows, nproc, out_dir, timeout):
     cells = [{"name": model_of(r.name), "model": model_of(r.name), "gas": ACCELERATE_GAS,
               "samples": WINDOWS * ACCELERATE_GAS * BATCH * nproc} for r in rows]
-    results = parity.accelerate_cells(out_dir, cells, nproc=nproc, zero_stage=job.zero_stage, lr=LR,
-                                      timeout=timeout)
+    try:
+        results = parity.accelerate_cells(out_dir, cells, nproc=nproc, zero_stage=job.zero_stage, lr=LR,
+                                          timeout=timeout)
+    except launch.LaunchError as crash:
+        # The unpatched variant runs first in the same ranks: a crash there (accelerate 1.3.0's no_sync under
+        # ZeRO-2/3) would hide the patched run. Run it alone; if it crashes too, the row fails.
+        patched = parity.accelerate_cells(out_dir / "patched-only", cells, nproc=nproc, zero_stage=job.zero_stage,
+                                          lr=LR, zerofix="on", timeout=timeout)
+        return {r.name: {"unpatched": {"error": crash.tail},
+                         "patched": _outcome(patched[model_of(r.name)]["patched"]),
+                         "applied": _applied(patched[model_of(r.name)]["patched"]["rank_status"][0], r.fixes)}
+                for r in rows}
     return {r.name: _variant_rows(results[model_of(r.name)], r.fixes) for r in rows}
 
 

@@ -55,7 +55,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     *(Scenario(f"accelerate-ddp-{m}", "accelerate-ddp", f"Accelerate accumulate(), GAS=4, DDP, {d}")
       for m, d in _MODELS.items()),
     *(Scenario(f"accelerate-zero2-{m}", "accelerate-zero2", f"Accelerate accumulate(), GAS=4, DeepSpeed ZeRO-2, {d}",
-               ("deepspeed-zero12-accumulator", "deepspeed-output-hook-division")) for m, d in _MODELS.items()),
+               ("deepspeed-zero12-accumulator", "deepspeed-output-hook-division", "accelerate-deepspeed-no-sync"))
+      for m, d in _MODELS.items()),
     *(Scenario(f"deepspeed-zero{s}-manual", "deepspeed", f"raw DeepSpeed ZeRO-{s}, config GAS=1, 4 x backward then "
                "step()", DS_MANUAL_FIXES, quick=s == 2) for s in (1, 2, 3)),
     *(Scenario(f"deepspeed-zero{s}-own", "deepspeed", f"raw DeepSpeed ZeRO-{s}, config GAS=4, backward + step() "
