@@ -5,7 +5,8 @@
 2. ``import zerofix`` in a fresh interpreter, median of N.
 3. Per call: a raw method vs the same method wrapped through zerofix's patching (pass-through wrapper),
    and the real ``transformers-accelerate-double-division`` wrapper around a no-op training step with a
-   real ``accelerate.Accelerator(gradient_accumulation_steps=8)`` (when accelerate is installed).
+   real ``accelerate.Accelerator(gradient_accumulation_steps=8)`` (when accelerate is installed), and
+   accelerate-short-last-window's two wrappers on one micro-batch of a plain loop.
 
 Targets (issue 2): < 20 ms added at start-up, < 10 us per wrapped call.
 """
@@ -97,6 +98,33 @@ def per_call_us():
                              number=20_000, repeat=5)) / 20_000 * 1e6
     out["Trainer step: training_step + Accelerator.backward wrappers (real Accelerator, GAS=8)"] = real
     out["Accelerator.backward wrapper outside a Trainer step"] = bare
+    out.update(short_window_us(accelerator, noop, raw))
+    return out
+
+
+def short_window_us(accelerator, noop, raw: float) -> dict:
+    """accelerate-short-last-window, one micro-batch of a plain loop: the accumulate() wrapper (counts it) and
+    the backward wrapper, mid-window (sync_gradients False) and at a full window's end (True, not the end
+    of the dataloader): the common cases; a short window's rescale is the gradient multiply itself."""
+    from zerofix.fixes import accelerate_short_window as short
+
+    def micro(sync: bool):
+        short.accumulate(noop, accelerator, (), {})
+        accelerator.gradient_state._set_sync_gradients(sync)
+        short.backward(noop, accelerator, (1.0,), {})
+
+    def bare(sync: bool):
+        noop()
+        accelerator.gradient_state._set_sync_gradients(sync)
+        noop(1.0)
+
+    out = {}
+    for label, sync in (("mid-window", False), ("closing a full window", True)):
+        patched = min(timeit.repeat(lambda: micro(sync), number=20_000, repeat=5)) / 20_000 * 1e6
+        plain = min(timeit.repeat(lambda: bare(sync), number=20_000, repeat=5)) / 20_000 * 1e6
+        # reported like the other rows: the raw method's cost plus what the two wrappers add
+        out[f"accumulate() + backward wrappers, {label}"] = raw + (patched - plain)
+    accelerator.__dict__.pop(short._KEY, None)
     return out
 
 
