@@ -240,7 +240,11 @@ def output_hook_per_call_us(n: int = 5000) -> dict:
     no-op backward. ``per_tensor``: the per-tensor wrapper with nothing to skip."""
     import wrapt
     from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.utils import OutputBackwardHookManager
+
+    try:
+        from deepspeed.runtime.utils import OutputBackwardHookManager
+    except ImportError:  # DeepSpeed < 0.18.3: no output hooks, nothing for the entry to do
+        return {}
     from zerofix import applied
     from zerofix.fixes import deepspeed_output_hook_division as hook
 

@@ -42,6 +42,8 @@ def ds_config(cell: accumulation.Cell) -> dict:
         "steps_per_print": 10**9,
         # a torch optimizer on the offloaded fp32 partition (DeepSpeedCPUAdam would need a C++ build)
         **({"zero_force_ds_cpu_optimizer": False} if cell.offload else {}),
+        **({"bf16": {"enabled": True}} if cell.dtype == "bf16" else {}),
+        **({"fp16": {"enabled": True, "initial_scale_power": 8}} if cell.dtype == "fp16" else {}),
     }
 
 
