@@ -96,7 +96,7 @@ def test_patched_matches_the_reference(runs, cell):
     _, norms = expected(runs, cell, semantics)
     assert not cell.clip or min(norms) > cell.clip  # clipping really acts in style (e)
     for rank_norms in result["norms"]:
-        if cell.stage == 0:  # DeepSpeed reports no norm for a ZeRO-0 torch optimizer
+        if cell.stage == 0 and cell.dtype == "fp32":  # no norm for a ZeRO-0 torch optimizer (BF16_Optimizer has one)
             assert rank_norms == [None] * len(norms)
         else:
             assert rank_norms == pytest.approx(norms, rel=1e-5 if cell.dtype == "fp32" else tolerance(cell))
