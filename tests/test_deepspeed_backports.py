@@ -20,6 +20,7 @@ from zerofix.check import parity
 
 ACCUMULATOR = "deepspeed-zero12-accumulator"
 SCALE = "deepspeed-scale-wrt-gas"
+HOOK = "deepspeed-output-hook-division"
 EXACT = 1e-6  # relative error of the update, float32 run vs float64 reference
 CELLS = [(stage, model, nproc) for stage in (2, 3) for model in ("causal-lm", "custom") for nproc in (1, 2)]
 CELL_IDS = [f"zero{s}-{m}-{n}rank" for s, m, n in CELLS]
@@ -98,7 +99,8 @@ def test_structural_checks_recognise_the_broken_originals_exactly_on_their_relea
 
 def test_patch_installs_exactly_the_fixes_in_range():
     """On latest both backports report not-affected and leave DeepSpeed's methods as they are; on their
-    own stacks they wrap them (layered with deepspeed-manual-accumulation on backward)."""
+    own stacks they wrap them (layered with deepspeed-manual-accumulation on backward, and with
+    deepspeed-output-hook-division on backward and the per-tensor hook from 0.18.3)."""
     proc = run_python("""
         import json, zerofix
         zerofix.patch()
@@ -119,6 +121,8 @@ def test_patch_installs_exactly_the_fixes_in_range():
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     for fix_id in (ACCUMULATOR, SCALE):
         assert seen["states"][fix_id] == ("applied" if in_range(fix_id) else "not-affected"), seen
+    hooks = int(in_range(HOOK))  # deepspeed-output-hook-division wraps the same two methods from 0.18.3 on
     assert seen["epilogue"] == int(in_range(ACCUMULATOR))
-    assert seen["hook"] == int(in_range(SCALE))
-    assert seen["backward"] == 1 + int(in_range(SCALE))  # deepspeed-manual-accumulation is in range everywhere
+    assert seen["hook"] == int(in_range(SCALE)) + hooks
+    # deepspeed-manual-accumulation is in range everywhere
+    assert seen["backward"] == 1 + int(in_range(SCALE)) + hooks

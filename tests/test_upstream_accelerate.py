@@ -32,6 +32,12 @@ def pytest_sessionfinish(session):
         json.dump({r.id: r.state for r in zerofix.status()}, f)
 """
 
+# accelerate's own tests/test_sync.py asserts that the short last window of an epoch gets loss / GAS per
+# micro-batch (its manual reference divides by GAS too): the behaviour accelerate-short-last-window changes on
+# purpose (the window's mean; docs/fixes.md). With it applied, test_gradient_sync_cpu_multi fails on its
+# last iteration (measured on 1.15.0); every other entry must leave every outcome as it was.
+CHANGES_ON_PURPOSE = "accelerate-short-last-window"
+
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
@@ -76,11 +82,11 @@ def outcomes(run) -> tuple[dict, dict]:
 def test_accelerate_suite_outcomes_are_identical_with_zerofix(suite, tmp_path):
     root, plugin_dir = suite
     off = start(root, plugin_dir, tmp_path, "off", {})
-    on = start(root, plugin_dir, tmp_path, "on", {"ZEROFIX": "1"})
+    on = start(root, plugin_dir, tmp_path, "on", {"ZEROFIX": "1", "ZEROFIX_DISABLE": CHANGES_ON_PURPOSE})
     without, states_off = outcomes(off)
     with_zerofix, states_on = outcomes(on)
     assert set(states_off.values()) <= {"inactive", "not-affected", "not-installed"}, states_off
-    in_range = {fix for fix, state in states_off.items() if state == "inactive"}
+    in_range = {fix for fix, state in states_off.items() if state == "inactive"} - {CHANGES_ON_PURPOSE}
     assert in_range and all(states_on[fix] == "applied" for fix in in_range), states_on
     assert sum(outcome == "passed" for outcome in without.values()) >= 40, without  # the suite really ran
     assert with_zerofix == without
