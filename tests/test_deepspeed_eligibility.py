@@ -60,7 +60,8 @@ class Zero12Buckets(Zero12Buckets1715):  # >= 0.18.3
 
 @pytest.mark.parametrize("engine, stage, eligible, why", [
     (Engine(object()), 0, True, "allreduce"),
-    (Engine(object(), bf16=True), 0, False, "fp16/bf16"),
+    (Engine(object(), fp16=True), 0, False, "fp16"),
+    (Engine(object(), bf16=True), 0, True, "ZeRO-0"),  # BF16_Optimizer: measured exact on CPU, 0.15.4 - 0.19.8
     (Engine(Zero12()), 1, True, "bucket"),
     (Engine(Zero12()), 2, True, "bucket"),
     (Engine(Offloaded()), 2, False, "offload"),
