@@ -55,10 +55,10 @@ class Cell(NamedTuple):
         repeat = "-repeat" if self.repeat else ""
         probe = "-probe" if self.probe else ""
         direct = "-direct" if self.direct else ""
-        direct += "-offload" if self.offload else ""
-        direct += "" if self.dtype == "fp32" else f"-{self.dtype}"
+        offload = "-offload" if self.offload else ""
+        dtype = "" if self.dtype == "fp32" else f"-{self.dtype}"
         return (f"z{self.stage}{overlap}-gas{self.gas}-{self.style}-{self.optimizer}{resume}{logits}{scaled}"
-                f"{windows}{repeat}{probe}{direct}")
+                f"{windows}{repeat}{probe}{direct}{offload}{dtype}")
 
     @property
     def clip(self) -> float:
