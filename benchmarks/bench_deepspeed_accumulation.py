@@ -154,7 +154,7 @@ def per_call_us() -> dict:
 
 
 def backport_per_call_us() -> dict:
-    """The two backports' wrappers, per call, on the same kind of engine (their cost does not depend on
+    """The backports' wrappers, per call, on the same kind of engine (their cost does not depend on
     the release: they read and write a few dict entries). The epilogue is timed in its costliest state:
     every parameter group's accumulator holds gradients, so each call substitutes and restores."""
     import wrapt
@@ -191,6 +191,7 @@ def backport_per_call_us() -> dict:
         "output hook, scale_wrt_gas=False (deepspeed-scale-wrt-gas)":
             (noop_hook, wrapt.FunctionWrapper(noop_hook, scale.per_tensor), engine, (grad,), {}),
     })
+    pairs.update(_offload_accumulator_pairs())
     out = {}
     try:
         engine.__dict__[scale._KEY] = False  # as inside engine.backward(loss, scale_wrt_gas=False)
@@ -204,6 +205,36 @@ def backport_per_call_us() -> dict:
         engine.__dict__.pop(scale._KEY, None)
         for i, (accumulated, averaged) in saved.items():
             opt.all_grad_tensors[i], opt.averaged_gradients[i] = accumulated, averaged
+    return out
+
+
+def _offload_accumulator_pairs() -> dict:
+    """deepspeed-offload-accumulator's wrapper around the per-parameter CPU accumulation, on a stand-in
+    optimizer holding one 4-element gradient: at the window's first micro-step (it passes) and after it
+    (it stores the sum back: one 4-element copy, the statement DeepSpeed 0.19 runs there itself)."""
+    from types import SimpleNamespace
+
+    import wrapt
+
+    from zerofix import applied
+    from zerofix.fixes import deepspeed_offload_accumulator as offload
+
+    applied.mark_applied(offload.FIX_ID, {"sliced": "low_precision_master_weights_and_grads"})
+    param = torch.zeros(4)
+    grads = {0: torch.ones(4)}
+    out = {}
+    for micro_step in (0, 1):
+        opt = SimpleNamespace(micro_step_id=micro_step, partition_gradients=True, get_param_id=lambda p: 0,
+                              get_param_gradient_attribute=lambda p: grads[0], grad_position={0: [0, 0, 0, 4]},
+                              accumulated_grads_in_cpu={0: torch.zeros(4)},
+                              low_precision_master_weights_and_grads=False)
+
+        def noop_accumulate(self, param):
+            return None
+
+        where = "first micro-step" if micro_step == 0 else "later micro-step, stores the sum"
+        out[f"CPU accumulation, {where} (deepspeed-offload-accumulator)"] = (
+            noop_accumulate, wrapt.FunctionWrapper(noop_accumulate, offload.accumulate), opt, (param,), {})
     return out
 
 

@@ -18,6 +18,7 @@ GROUP_IDS = [f"{'zero' + str(s) if s is not None else 'no-deepspeed'}-{n}rank" f
 # the fast tier's smoke: 2 DDP ranks, no DeepSpeed (the path every Trainer/accelerate release crosses)
 GROUPS = [pytest.param(*g, marks=pytest.mark.smoke) if g == (None, 2) else g for g in GROUPS]
 ALL_STACKS = ("latest", "2026-04", "2025-12", "2025-10", "2025-01", "2024-11")
+NEWEST_STACKS = ("latest", "2026-04")
 pytestmark = pytest.mark.distributed
 
 
@@ -28,17 +29,21 @@ def cells(nproc: int) -> list[dict]:
 
 def short_window_ratio(stack: str, stage, patched: bool) -> float:
     """The last, short window (2 of GAS=3 micro-batches): accelerate divides every window by GAS, so 2/3 of
-    the mean (accelerate-short-last-window divides by 2 without DeepSpeed); with DeepSpeed, accelerate
-    < 1.10 leaves the boundary to DeepSpeed's own count, which never reaches it: no step at all (left as
-    DeepSpeed does it, patched or not)."""
+    the mean; with DeepSpeed, accelerate < 1.10 leaves the boundary to DeepSpeed's own count, which never
+    reaches it: no step at all. Patched (accelerate-short-last-window), the window's own mean everywhere."""
+    if patched:
+        return 1.0
     if stage is not None and stack in ("2024-11", "2025-01"):
         return 0.0
-    return 1.0 if patched and stage is None else 2 / 3
+    return 2 / 3
 
 
 @pytest.mark.stack(*ALL_STACKS)
 @pytest.mark.parametrize("stage, nproc", GROUPS, ids=GROUP_IDS)
 def test_accumulate_loop(tmp_path, stack, stage, nproc):
+    if stage is not None and nproc == 1 and stack not in NEWEST_STACKS:
+        pytest.skip("CI time: DeepSpeed with 1 rank runs on the newest stacks; the older ones show their bugs "
+                    "with 2 ranks (docs/development.md, 'What runs where')")
     if stack == "2025-01" and stage is not None and nproc > 1:
         # accelerate 1.3.0 enters engine.no_sync() inside accumulate(); DeepSpeed 0.16.3 rejects it for ZeRO-2/3
         # (accelerate-deepspeed-no-sync): unpatched a crash, patched the loop trains as on the other stacks.
@@ -48,8 +53,8 @@ def test_accumulate_loop(tmp_path, stack, stage, nproc):
         for cell in cells(nproc):
             fixed = patched[cell["name"]]["patched"]
             assert all(w["rel_err"] < EXACT for w in fixed["per_window"][:2]), (cell, fixed)
-            if cell["gas"] == 3:  # the short window: never applied with accelerate < 1.10 (left as it is)
-                assert fixed["per_window"][-1]["ratio"] == pytest.approx(0.0, abs=1e-4), (cell, fixed)
+            if cell["gas"] == 3:  # the short window, never applied unpatched with accelerate < 1.10
+                assert fixed["per_window"][-1]["rel_err"] < EXACT, (cell, fixed)
         return
     results = parity.accelerate_cells(tmp_path, cells(nproc), nproc=nproc, zero_stage=stage)
     for cell in cells(nproc):
@@ -78,3 +83,22 @@ def test_accumulate_loop(tmp_path, stack, stage, nproc):
                 assert last["rel_err"] < EXACT, (where, last)
             unpatched_short = short_window_ratio(stack, stage, patched=False) / (cell["gas"] if hook_divides else 1)
             assert bug["per_window"][-1]["ratio"] == pytest.approx(unpatched_short, abs=1e-4) or broken_unpatched
+
+
+@pytest.mark.stack("latest", "2024-11")
+def test_short_windows_under_deepspeed_over_two_epochs(tmp_path, stack):
+    """ZeRO-2, 2 ranks, GAS=3, two epochs of 8 micro-batches (windows 3, 3, 2, 3, 3, 2). accelerate >= 1.10
+    (latest) closes each short window with 2/3 of its mean; accelerate 1.1.1 leaves the boundary to DeepSpeed's
+    own count, so the first short window is never applied and every later window is shifted against the one
+    accelerate reports. Patched, every window of both epochs equals the reference."""
+    cell = {"name": "custom-gas3-2epochs", "model": "custom", "gas": 3, "samples": 8 * 2 * 2, "epochs": 2}
+    result = parity.accelerate_cells(tmp_path, [cell], nproc=2, zero_stage=2)[cell["name"]]
+    bug, fixed = result["unpatched"], result["patched"]
+    assert fixed["windows"] == bug["windows"] == [6, 6, 4] * 2
+    assert all(w["rel_err"] < EXACT for w in fixed["per_window"]), fixed["per_window"]
+    ratios = [w["ratio"] for w in bug["per_window"]]
+    if stack == "latest":
+        assert ratios == pytest.approx([1, 1, 2 / 3] * 2, abs=1e-4), ratios
+    else:
+        assert ratios[:2] == pytest.approx([1, 1], abs=1e-4) and ratios[2] == pytest.approx(0, abs=1e-4), ratios
+        assert all(w["rel_err"] > 0.1 for w in bug["per_window"][3:]), bug["per_window"]

@@ -66,7 +66,8 @@ def test_selection():
     assert names == list(plan.NAMES) and len(set(names)) == len(names)
     assert [s.name for s in plan.select(quick=True)] == [s.name for s in plan.SCENARIOS if s.quick]
     assert [s.name for s in plan.select(only=["deepspeed-*"], skip=["*-own"])] == [
-        "deepspeed-zero1-manual", "deepspeed-zero2-manual", "deepspeed-zero3-manual"]
+        "deepspeed-zero1-manual", "deepspeed-zero2-manual", "deepspeed-zero3-manual",
+        "deepspeed-zero1-offload-manual", "deepspeed-zero2-offload-manual"]
     with pytest.raises(plan.UsageError, match="no scenario matches 'deepspeed-zero4'.*trainer-1proc-causal-lm"):
         plan.select(only=["deepspeed-zero4"])
     assert all(s.job in plan.JOBS for s in plan.SCENARIOS)
@@ -188,20 +189,23 @@ MANUAL = "fixed by deepspeed-manual-accumulation"
 HOOK = "fixed by deepspeed-output-hook-division"
 EXPECTED = {
     # The default run, every scenario: what the catalogue says each stack does.
-    "latest": {**{n: "ok" for n in plan.NAMES}, "deepspeed-zero1-manual": MANUAL, "deepspeed-zero2-manual": MANUAL},
+    "latest": {**{n: "ok" for n in plan.NAMES},
+               **{f"deepspeed-zero{s}-{o}manual": MANUAL for s in (1, 2) for o in ("", "offload-")}},
     "2026-04": {
         **{n: "ok" for n in plan.NAMES},
         **{f"trainer-{w}-{m}": "fixed by transformers-accelerate-double-division"
            for w in ("1proc", "ddp") for m in ("causal-lm", "custom")},
         "accelerate-zero2-causal-lm": HOOK, "accelerate-zero2-custom": HOOK,
-        "deepspeed-zero1-manual": MANUAL, "deepspeed-zero2-manual": MANUAL,
+        **{f"deepspeed-zero{s}-{o}manual": MANUAL for s in (1, 2) for o in ("", "offload-")},
+        "deepspeed-zero2-offload-own": "fixed by deepspeed-offload-accumulator",
     },
 }
 
 
 # latest runs the whole default run (the command the README points a user to); 2026-04 the rows that show its bugs and one
 # row of every other kind of job that shares their code path (the whole run there: docs/check.md, 89 s, same verdicts).
-RUNS = {"latest": None, "2026-04": "trainer-1proc-*,trainer-ddp-*,accelerate-zero2-*,deepspeed-*-manual"}
+RUNS = {"latest": None,
+        "2026-04": "trainer-1proc-*,trainer-ddp-*,accelerate-zero2-*,deepspeed-*-manual,deepspeed-zero2-offload-own"}
 
 
 @pytest.mark.distributed

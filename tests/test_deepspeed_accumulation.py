@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import detect_stack
 from zerofix import catalogue, versions
 from zerofix.check import accumulation, parity, reference
-from zerofix.check.accumulation import CORRECT, ERROR
+from zerofix.check.accumulation import CORRECT, ERROR, WRONG
 
 FIX = "deepspeed-manual-accumulation"
 STACKS = ("latest", "2026-04", "2025-12", "2025-10", "2025-01")
@@ -30,12 +31,19 @@ def tolerance(cell) -> float:
     """fp32: the optimizer's bound; bf16: 16 bf16 rounding units (accumulation.BF16_BOUND)."""
     return accumulation.BF16_BOUND if cell.dtype == "bf16" else TOLERANCE[cell.optimizer]
 
+# CI time: the newest two stacks run the whole matrix; the older ones run it with SGD (AdamW goes through the
+# same reductions: the resumed, offload and own-style cells keep AdamW there) and bf16 where its optimizer differs
+# (0.16.3), so each stack's 2-rank job stays within its share of the CI budget (docs/development.md).
+STACK = detect_stack()
+NEWEST = STACK in ("latest", "2026-04")
 TRANSPARENT = accumulation.transparency_matrix(metadata.version("deepspeed"))
 TAKEOVER = accumulation.takeover_probes(metadata.version("deepspeed"))
 DIRECT = accumulation.direct_backward_cells(metadata.version("deepspeed"))
-BF16 = accumulation.bf16_cells(metadata.version("deepspeed"))
-CELLS = list(dict.fromkeys(accumulation.matrix() + accumulation.extra_cells() + TRANSPARENT + TAKEOVER + DIRECT
-                           + BF16))
+BF16 = accumulation.bf16_cells(metadata.version("deepspeed")) if NEWEST or STACK == "2025-01" else []
+MATRIX = (accumulation.matrix() if NEWEST else accumulation.matrix(optimizers=("sgd",))
+          + [accumulation.Cell(stage, 1, "a", "adamw") for stage in (0, 1, 2, 3)])  # the resumed cells' twins
+CELLS = list(dict.fromkeys(MATRIX + accumulation.extra_cells() + TRANSPARENT + TAKEOVER + DIRECT
+                           + BF16 + accumulation.offload_cells()))
 pytestmark = [pytest.mark.distributed, pytest.mark.stack(*STACKS)]
 
 
@@ -70,6 +78,9 @@ def test_unpatched_shows_what_deepspeed_is_known_to_do(runs, cell):
         assert all(e and e.startswith("TypeError") for e in raised), raised
         return
     assert raised == [None] * runs["world"], raised
+    if known == WRONG:  # no simple rule: far from the window and from its last micro-batch
+        assert min(max(errors(runs, "unpatched", cell, s)) for s in (CORRECT, accumulation.LAST)) > 0.5
+        return
     # An over-divided update is GAS or GAS**2 times smaller, its fp32 noise as many times larger relatively.
     bound = tolerance(cell) * cell.gas ** accumulation.EXTRA_DIVISIONS.get(known, 0)
     assert max(errors(runs, "unpatched", cell, known)) < bound, known
@@ -287,6 +298,7 @@ def test_environment_activation_reaches_every_rank_and_logs_once_per_engine(tmp_
     assert f"[zerofix rank 0] WARNING {FIX}: DeepSpeed divided each loss of this 3-micro-batch window" in log
 
 
+@pytest.mark.stack("latest", "2025-10", "2025-01")  # the three bucket layouts of _prepare_buckets (CI time)
 def test_the_flush_communicates_exactly_what_a_boundary_backward_does(tmp_path):
     """benchmarks/bench_deepspeed_accumulation.py counts every torch.distributed collective (calls and
     elements) of one window; zerofix's lazy boundary must match DeepSpeed's own boundary on every stage.
@@ -357,25 +369,3 @@ def test_a_checkpoint_in_the_middle_of_a_manual_window_is_warned_on_every_rank(t
                "accumulated since the last step() are not in the checkpoint")
     assert out.count(warning) == 4, out[-3000:]  # 2 stages x 2 ranks, none for the boundary checkpoints
     assert out.count(f"{FIX}: save_checkpoint()") == 4
-
-
-@pytest.mark.stack("latest")
-def test_optimizer_offload_manual_accumulation_is_measured_wrong_and_passed_through(tmp_path):
-    """Not fixed yet (docs/fixes.md, "Measured, not fixed yet"): ZeRO-1/2 with optimizer offload, config GAS=1,
-    4 backwards then step(): DeepSpeed applies neither the window nor its last micro-batch (its CPU
-    accumulator is keyed by the optimizer's micro-step id). zerofix passes these engines through, so patched
-    equals unpatched; DeepSpeed's own style with offload (config GAS=4) is right. When a release stops showing
-    the bug, this test says so."""
-    cells = [accumulation.Cell(stage, gas, style, offload=True) for stage in (1, 2) for gas, style in ((1, "a"), (4, "b"))]
-    runs = parity.ds_accumulation(tmp_path, cells)
-    for cell in cells:
-        unpatched, patched = (runs[v][cell.name] for v in ("unpatched", "patched"))
-        assert unpatched["errors"] == patched["errors"] == [None] * runs["world"]
-        bug = max(errors(runs, "unpatched", cell, CORRECT))
-        if cell.style == "b":
-            assert bug < TOLERANCE["sgd"], (cell.name, bug)
-        else:
-            assert bug > 0.5 and max(errors(runs, "unpatched", cell, accumulation.LAST)) > 0.5, (cell.name, bug)
-        assert max(errors(runs, "patched", cell, CORRECT)) == pytest.approx(bug, rel=1e-6), cell.name
-        seen = patched["runtime"][0]["engine"]
-        assert seen["active"] is False and "offload" in seen["why"], seen

@@ -19,6 +19,7 @@ from zerofix import catalogue, versions
 from zerofix.check import parity
 
 ACCUMULATOR = "deepspeed-zero12-accumulator"
+OFFLOAD = "deepspeed-offload-accumulator"
 SCALE = "deepspeed-scale-wrt-gas"
 HOOK = "deepspeed-output-hook-division"
 EXACT = 1e-6  # relative error of the update, float32 run vs float64 reference
@@ -82,11 +83,14 @@ def test_structural_checks_recognise_the_broken_originals_exactly_on_their_relea
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from zerofix.fixes import deepspeed_scale_wrt_gas, deepspeed_zero12_accumulator
+    from zerofix.fixes import deepspeed_offload_accumulator, deepspeed_scale_wrt_gas, deepspeed_zero12_accumulator
 
     epilogue = DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue
     drift = deepspeed_zero12_accumulator.structural_check(ACCUMULATOR, {deepspeed_zero12_accumulator.TARGET: epilogue}).drift
     assert (drift is None) == in_range(ACCUMULATOR), drift
+    cpu_accumulator = DeepSpeedZeroOptimizer.async_accumulate_grad_in_cpu_via_gpu
+    drift = deepspeed_offload_accumulator.structural_check(OFFLOAD, {deepspeed_offload_accumulator.TARGET: cpu_accumulator}).drift
+    assert (drift is None) == in_range(OFFLOAD), drift
     hook = getattr(DeepSpeedEngine, "_backward_prologue_per_tensor", None)
     if hook is None:  # before 0.18.3 the division happens inside backward()
         assert not in_range(SCALE)

@@ -22,6 +22,7 @@ GROUP_IDS = [f"{'zero' + str(s) if s is not None else 'no-deepspeed'}-{n}rank" f
 # the fast tier's smoke: 2 DDP ranks, no DeepSpeed (the path every Trainer/accelerate release crosses)
 GROUPS = [pytest.param(*g, marks=pytest.mark.smoke) if g == (None, 2) else g for g in GROUPS]
 ALL_STACKS = ("latest", "2026-04", "2025-12", "2025-10", "2025-01", "2024-11")
+NEWEST_STACKS = ("latest", "2026-04")
 TRAINER_ENTRIES = ("transformers-nokw-undivided", "transformers-deepspeed-double-division",
                    "transformers-accelerate-double-division")
 IN_RANGE = {"2024-11": {"transformers-nokw-undivided", "transformers-deepspeed-double-division"},
@@ -70,6 +71,9 @@ def windows_of(result) -> list[dict]:
 @pytest.mark.stack(*ALL_STACKS)
 @pytest.mark.parametrize("stage, nproc", GROUPS, ids=GROUP_IDS)
 def test_trainer_divides_exactly_once(tmp_path, stack, stage, nproc):
+    if stage is not None and nproc == 1 and stack not in NEWEST_STACKS:
+        pytest.skip("CI time: DeepSpeed with 1 rank runs on the newest stacks; the older ones show their bugs "
+                    "with 2 ranks (docs/development.md, 'What runs where')")
     results = parity.trainer_cells(tmp_path, cells(nproc), nproc=nproc, zero_stage=stage)
     for cell in cells(nproc):
         bug, fixed = results[cell["name"]]["unpatched"], results[cell["name"]]["patched"]

@@ -113,7 +113,8 @@ FIXES: tuple[Fix, ...] = (
         implementation=SHORT,
         fixed_in=None,
         where="with accelerator.accumulate(model) over an epoch whose number of micro-batches is not a multiple "
-        "of GAS, without DeepSpeed (1 process, DDP): the last window's update is n/GAS of its mean",
+        "of GAS: the last window's update is n/GAS of its mean; with DeepSpeed and accelerate < 1.10 it is never "
+        "applied",
     ),
     Fix(
         id="accelerate-deepspeed-no-sync",
@@ -173,6 +174,26 @@ FIXES: tuple[Fix, ...] = (
         where="ZeRO-2 with gradient_accumulation_steps > 1, DeepSpeed's own loop (backward + step per "
         "micro-batch) or the Trainer/Accelerate: only the last micro-batch of each window is applied; "
         "ZeRO-1/2 manual accumulation raises TypeError",
+    ),
+    Fix(
+        id="deepspeed-offload-accumulator",
+        title="ZeRO-2 with optimizer offload applies only the first and last micro-batch of each window",
+        dist="deepspeed",
+        # DeepSpeed #6550 (0.15.2) stores the CPU accumulator only at the first micro-step; #7967 (0.19.0)
+        # stores it at every one. Measured on 0.15.4, 0.16.3, 0.18.0, 0.18.3, 0.18.9 (broken), 0.19.8 (right);
+        # the structural check finds the broken method in every source from 0.15.2 to 0.18.9.
+        affected=">=0.15.2,<0.19.0",
+        targets=(
+            Target("deepspeed.runtime.zero.stage_1_and_2",
+                   "DeepSpeedZeroOptimizer.async_accumulate_grad_in_cpu_via_gpu",
+                   "zerofix.fixes.deepspeed_offload_accumulator:accumulate"),
+        ),
+        implementation="zerofix.fixes.deepspeed_offload_accumulator",
+        upstream=("https://github.com/deepspeedai/DeepSpeed/pull/7967",
+                  "https://github.com/deepspeedai/DeepSpeed/pull/6550"),
+        fixed_in="0.19.0",
+        where="ZeRO-2 with offload_optimizer and gradient_accumulation_steps > 2, DeepSpeed's own loop or the "
+        "Trainer/Accelerate: the middle micro-batches of every window are lost (and the gradient norm with them)",
     ),
     Fix(
         id="deepspeed-scale-wrt-gas",

@@ -26,6 +26,10 @@ from zerofix.versions import version_in_range
 STYLES = ("a", "b", "c", "d", "e", "f", "short")
 OWN_STYLES = ("b", "f")  # backward + step() per micro-batch
 CORRECT, LAST, NOOP, DOUBLE, TRIPLE, ERROR = "correct", "last", "noop", "double", "triple", "error"
+# ZeRO-1/2 optimizer offload: only each window's first and last micro-batch survive (ENDS), every one but
+# the first (TAIL), or an update no simple rule describes (WRONG: far from both CORRECT and LAST); see
+# known_unpatched()
+ENDS, TAIL, WRONG = "ends", "tail", "wrong"
 EXTRA_DIVISIONS = {DOUBLE: 1, TRIPLE: 2}  # how many more times than meant each loss is divided by GAS
 
 
@@ -113,7 +117,7 @@ def updates(cell: Cell, semantics: str = CORRECT) -> list[list[list[tuple[int, f
             result.append([[(s, 1.0)] for s in steps])
         else:
             divisor = (length if cell.gas == 1 else 1) * cell.gas ** (1 + EXTRA_DIVISIONS.get(semantics, 0))
-            kept = steps[-1:] if semantics == LAST else steps
+            kept = {LAST: steps[-1:], ENDS: steps[:1] + steps[-1:], TAIL: steps[1:]}.get(semantics, steps)
             result.append([[(s, 1.0 / divisor) for s in kept]])
     return result
 
@@ -148,19 +152,23 @@ def transparency_matrix(deepspeed_version: str) -> list[Cell]:
     clipped = [Cell(stage, 4, "f", "sgd", overlap, probe=True) for stage, overlap in stages]
     accumulating = [Cell(stage, 1, "a", "sgd", probe=True) for stage in (0, 1, 2, 3)
                     if not zerofix_takes_over(Cell(stage, 1, "a"), deepspeed_version)]
+    # optimizer offload, where DeepSpeed's own style is right (ZeRO-1; ZeRO-2 from 0.19.0 or at GAS=1)
+    offload = [c for c in offload_cells() if c.own_style and c.probe
+               and known_unpatched(c, deepspeed_version) == CORRECT]
     # a model returning its logits, wherever DeepSpeed divides its gradient once (deepspeed-output-hook-
     # division then divides at the loss instead of DeepSpeed's hook: the same operation on the same tensor)
     logits = [Cell(stage, gas, "b", "sgd", logits=True, probe=True) for stage in (0, 1, 2, 3) for gas in (1, 4)
               if not output_hook_divides_twice(Cell(stage, gas, "b", logits=True), deepspeed_version)]
-    return own + clipped + accumulating + logits
+    return own + clipped + accumulating + logits + offload
 
 
 def takeover_probes(deepspeed_version: str) -> list[Cell]:
     """Manual accumulation where zerofix takes over, probed: a gradient read before step() must be the
     window's mean gradient (DeepSpeed's own style reads it so). ZeRO-0's reads are local, in DeepSpeed
     and with zerofix (no collective is added to a read that has none)."""
-    return [Cell(stage, gas, "a", "sgd", probe=True) for stage in (1, 2, 3) for gas in (1, 4)
-            if zerofix_takes_over(Cell(stage, gas, "a"), deepspeed_version)]
+    return [Cell(stage, gas, "a", "sgd", probe=True, offload=offload) for stage in (1, 2, 3) for gas in (1, 4)
+            for offload in (False, True) if (stage < 3 or not offload)
+            and zerofix_takes_over(Cell(stage, gas, "a", offload=offload), deepspeed_version)]
 
 
 def zerofix_takes_over(cell: Cell, deepspeed_version: str) -> bool:
@@ -168,7 +176,8 @@ def zerofix_takes_over(cell: Cell, deepspeed_version: str) -> bool:
     per step(), where DeepSpeed does not accumulate them by itself (at config GAS=1, ZeRO-0/3 do, and
     ZeRO-1/2 before 0.17.6, whose epilogue adds every boundary's reduction)."""
     manual = cell.style in ("a", "d", "e", "short")
-    accumulates = cell.stage in (0, 3) or not version_in_range(deepspeed_version, ">=0.17.6")
+    # with optimizer offload every boundary replaces the fp32 partition's gradient
+    accumulates = not cell.offload and (cell.stage in (0, 3) or not version_in_range(deepspeed_version, ">=0.17.6"))
     return manual and not (cell.gas == 1 and accumulates)
 
 
@@ -202,12 +211,14 @@ def known_unpatched(cell: Cell, deepspeed_version: str) -> str:
     on 0.17.6-0.18.2 ``error`` (a TypeError) for ZeRO-1/2 with config GAS=1 and several backwards per
     step(), and ``last`` for ZeRO-2 wherever a window has non-boundary backwards; ``last`` for ZeRO-1/2
     with config GAS=1 and several backwards per step() from 0.18.3 on; ``double`` / ``triple`` where
-    the output hook divides once or twice more than meant."""
+    the output hook divides once or twice more than meant; optimizer offload: _offload_unpatched()."""
     from packaging.version import Version
 
     manual = cell.style in ("a", "d", "e", "short")  # several unflagged backwards per step()
     if manual and cell.gas > 1:
         return NOOP
+    if cell.offload:
+        return _offload_unpatched(cell, deepspeed_version, manual)
     if accumulator_restarts(deepspeed_version):
         if manual and cell.stage in (1, 2):
             return ERROR
@@ -219,6 +230,31 @@ def known_unpatched(cell: Cell, deepspeed_version: str) -> str:
     if manual and cell.stage in (1, 2) and Version(deepspeed_version) >= Version("0.17.6"):
         return LAST
     return CORRECT
+
+
+def _offload_unpatched(cell: Cell, deepspeed_version: str, manual: bool) -> str:
+    """ZeRO-1/2 with optimizer offload (measured 0.15.4 - 0.19.8). Every boundary replaces the fp32
+    partition's gradient: manual accumulation at config GAS=1 keeps the last micro-batch before 0.19.0,
+    and from 0.19.0 (the CPU accumulator then runs from the second micro-step on, and carries the previous
+    window) neither the window nor its last micro-batch. DeepSpeed's own style at ZeRO-2 with GAS > 2
+    keeps only each window's first and last micro-batch on 0.15.2 - 0.18.9 (deepspeed-offload-accumulator)."""
+    if manual:
+        return WRONG if version_in_range(deepspeed_version, ">=0.19.0") else LAST
+    if cell.stage == 2 and cell.gas > 2 and version_in_range(deepspeed_version, ">=0.15.2,<0.19.0"):
+        return ENDS
+    return CORRECT
+
+
+def offload_cells() -> list[Cell]:
+    """ZeRO-1/2 with optimizer offload to the CPU (a torch optimizer on the fp32 partition): manual
+    accumulation at config GAS 1 and 4 (SGD and AdamW; with clipping, 3-micro-batch windows and a short
+    last window, SGD), and DeepSpeed's own style at GAS 1 and 4 with and without clipping, probed."""
+    manual = [(1, "a", "sgd"), (1, "a", "adamw"), (4, "a", "sgd"), (4, "a", "adamw"), (1, "e", "sgd"),
+              (4, "d", "sgd"), (1, "short", "sgd")]
+    own = [(1, "b", "sgd"), (4, "b", "sgd"), (4, "f", "sgd")]
+    return ([Cell(stage, gas, style, opt, offload=True) for stage in (1, 2) for gas, style, opt in manual]
+            + [Cell(stage, gas, style, opt, probe=True, offload=True) for stage in (1, 2) for gas, style, opt in own]
+            + [Cell(stage, 4, "b", "adamw", offload=True) for stage in (1, 2)])
 
 
 def known_patched(cell: Cell, deepspeed_version: str) -> str:

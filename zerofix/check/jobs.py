@@ -61,9 +61,13 @@ def _variant_rows(result: dict, fixes) -> dict:
 
 def ds_cell(name: str) -> accumulation.Cell:
     """deepspeed-zero<s>-manual: 4 backwards then step(), config GAS=1 (the loop divides by 4);
-    deepspeed-zero<s>-own: backward + step() per micro-batch, config GAS=4 (DeepSpeed divides)."""
+    deepspeed-zero<s>-own: backward + step() per micro-batch, config GAS=4 (DeepSpeed divides);
+    deepspeed-zero<s>-offload-*: the same with the optimizer offloaded to the CPU."""
     stage = int(name.split("-")[1][len("zero"):])
-    return accumulation.Cell(stage, 1, "a") if name.endswith("-manual") else accumulation.Cell(stage, 4, "b")
+    offload = "-offload-" in name
+    if name.endswith("-manual"):
+        return accumulation.Cell(stage, 1, "a", offload=offload)
+    return accumulation.Cell(stage, 4, "b", offload=offload)
 
 
 def deepspeed(job, rows, nproc, out_dir, timeout):

@@ -61,6 +61,10 @@ SCENARIOS: tuple[Scenario, ...] = (
                "step()", DS_MANUAL_FIXES, quick=s == 2) for s in (1, 2, 3)),
     *(Scenario(f"deepspeed-zero{s}-own", "deepspeed", f"raw DeepSpeed ZeRO-{s}, config GAS=4, backward + step() "
                "per micro-batch", DS_OWN_FIXES, quick=s == 2) for s in (1, 2, 3)),
+    *(Scenario(f"deepspeed-zero{s}-offload-manual", "deepspeed", f"raw DeepSpeed ZeRO-{s} + CPU optimizer offload, "
+               "config GAS=1, 4 x backward then step()", ("deepspeed-manual-accumulation",)) for s in (1, 2)),
+    Scenario("deepspeed-zero2-offload-own", "deepspeed", "raw DeepSpeed ZeRO-2 + CPU optimizer offload, config GAS=4, "
+             "backward + step() per micro-batch", ("deepspeed-offload-accumulator",)),
     *(Scenario(f"zero3-loss-{where}", "zero3-loss", f"zerofix.chunked_cross_entropy on a ZeRO-3 head, {where} "
                "engine.forward", patchable=False) for where in ("inside", "outside")),
     # Compared with the same SFTTrainer run with loss_type="nll" (full logits): losses and grad norms.

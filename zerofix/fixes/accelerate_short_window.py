@@ -12,14 +12,27 @@ gradients by then), it multiplies the gradients of every parameter the accelerat
 GAS/n, before any clipping or ``optimizer.step()``; a further backward in that same micro-batch has its
 loss multiplied by GAS/n instead, so nothing is scaled twice. Every full window, the Trainer (which does
 not use ``accumulate()`` and counts its windows itself) and a backward outside ``accumulate()`` pass
-through untouched. Under DeepSpeed the gradients live in the engine's partitions, and accelerate < 1.10
-never closes the short window at all: both are measured (tests/test_accelerate_loop.py) and left as they
-are for now.
+through untouched.
+
+Under DeepSpeed the gradients of the window's earlier micro-batches are already in the engine's partitions
+(a different place per ZeRO stage, offload and release) by the time the window closes, and the engine
+divides each loss by its config GAS. So there the window's length is known when it *opens*: accelerate
+windows restart at every epoch (``accelerator.step`` counts the micro-batches since the dataloader's last
+end), so at a window's first ``accumulate()`` the micro-batches left are ``len(active_dataloader) -
+accelerator.step``; when fewer than GAS are left, every loss of that window is multiplied by GAS/n before
+accelerate hands it to the engine. At the window's close zerofix checks that it had n micro-batches and
+says so on every rank if not (a loop that skips ``accumulate()`` for some batches). accelerate < 1.10 lets
+DeepSpeed's own micro-step count decide the boundary, which never falls on a short window's last
+micro-batch (the window is never applied, and every later window is shifted): from the first short
+window on, zerofix sets the engine's boundary flag from accelerate's ``sync_gradients`` before each
+backward inside ``accumulate()``, as accelerate 1.10 does for every backward.
 """
 from __future__ import annotations
 
 import inspect
 
+from zerofix import applied
+from zerofix._log import log
 from zerofix.fixes.contract import Check, drifted, found
 
 FIX_ID = "accelerate-short-last-window"
@@ -27,13 +40,17 @@ FIX_IDS = (FIX_ID,)
 _KEY = "_zerofix_window"  # accelerator.__dict__: the current accumulate() window
 
 
-class _Window:
-    __slots__ = ("micro_batches", "closing", "factor")
+_FLAGS_KEY = "_zerofix_flags_boundaries"  # accelerator.__dict__: zerofix sets the engine's boundary flags
 
-    def __init__(self):
+
+class _Window:
+    __slots__ = ("micro_batches", "closing", "factor", "expected")
+
+    def __init__(self, expected: int | None = None):
         self.micro_batches = 0  # accumulate() calls of this window
         self.closing = False  # the current micro-batch closes it: the next accumulate() opens a new one
-        self.factor = None  # GAS/n once a short window's gradients were rescaled
+        self.factor = None  # GAS/n once a short window's gradients were rescaled (or, DeepSpeed, its losses)
+        self.expected = expected  # DeepSpeed: the short window's length foreseen when it opened
 
 
 def structural_check(fix_id: str, targets) -> Check:
@@ -50,20 +67,52 @@ def structural_check(fix_id: str, targets) -> Check:
     backward = inspect.unwrap(targets["Accelerator.backward"])
     if "gradient_accumulation_steps" not in backward.__code__.co_names:
         return drifted("Accelerator.backward no longer divides by gradient_accumulation_steps")
-    return found()
+    if "step" not in inspect.getsource(Accelerator._do_sync):
+        return drifted("Accelerator._do_sync no longer counts the micro-batches in self.step")
+    try:  # accelerate >= 1.10's wrapper sets the engine's boundary from sync_gradients itself
+        from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+        sets_boundary = "sync_gradients" in inspect.signature(DeepSpeedEngineWrapper.backward).parameters
+    except ImportError:
+        sets_boundary = True
+    return found(wrapper_sets_boundary=sets_boundary)
 
 
 def accumulate(wrapped, accelerator, args, kwargs):
     window = accelerator.__dict__.get(_KEY)
     if window is None or window.closing:
         window = accelerator.__dict__[_KEY] = _Window()
+        if not _accelerate_divides(accelerator):  # DeepSpeed: a short window must be known before it runs
+            left = _micro_batches_left(accelerator)
+            gas = accelerator.gradient_accumulation_steps
+            if left is not None and 0 < left < gas:
+                window.expected, window.factor = left, gas / left
     window.micro_batches += 1
     return wrapped(*args, **kwargs)
 
 
+def _micro_batches_left(accelerator) -> int | None:
+    """Micro-batches left in the epoch, this one included, when accelerate's windows follow the dataloader
+    (``sync_with_dataloader``) and it has a length; else None (nothing is foreseen)."""
+    state = accelerator.gradient_state
+    loader = getattr(state, "active_dataloader", None)
+    if loader is None or not state.sync_with_dataloader:
+        return None
+    try:
+        total = len(loader)
+    except TypeError:  # an iterable dataset without a length
+        return None
+    return total - accelerator.step  # accelerate resets step at every end of the dataloader
+
+
 def backward(wrapped, accelerator, args, kwargs):
     window = accelerator.__dict__.get(_KEY)
-    if window is None or not accelerator.gradient_state.sync_gradients:  # outside accumulate(), mid-window
+    if window is None:  # outside accumulate()
+        return wrapped(*args, **kwargs)
+    if window.expected is not None:  # DeepSpeed, a foreseen short window
+        return _deepspeed_short_backward(wrapped, accelerator, window, args, kwargs)
+    if accelerator.__dict__.get(_FLAGS_KEY):
+        _set_engine_boundary(accelerator)
+    if not accelerator.gradient_state.sync_gradients:  # mid-window
         return wrapped(*args, **kwargs)
     window.closing = True
     if window.factor is not None:  # a further backward of a short window's last micro-batch: scale its share
@@ -82,9 +131,45 @@ def backward(wrapped, accelerator, args, kwargs):
     return result
 
 
+def _scaled(args, kwargs, factor):
+    if args:
+        return (args[0] * factor, *args[1:]), kwargs
+    return args, {**kwargs, "loss": kwargs["loss"] * factor}
+
+
+def _deepspeed_short_backward(wrapped, accelerator, window, args, kwargs):
+    """Every loss of a short window under DeepSpeed, multiplied by GAS/n before the engine divides by GAS."""
+    closing = accelerator.gradient_state.sync_gradients
+    if closing:
+        window.closing = True
+        if window.micro_batches != window.expected:
+            log("warning", "%s: the epoch's last window was foreseen with %d micro-batches and closed after %d "
+                "(were some batches trained outside accumulate()?): its micro-batches were scaled by %g "
+                "instead of %g.", FIX_ID, window.expected, window.micro_batches, window.factor,
+                accelerator.gradient_accumulation_steps / window.micro_batches)
+        if _engine_flags_needed(accelerator):  # accelerate < 1.10 leaves the boundary to DeepSpeed's count
+            accelerator.__dict__[_FLAGS_KEY] = True
+    if accelerator.__dict__.get(_FLAGS_KEY):
+        _set_engine_boundary(accelerator)
+    args, kwargs = _scaled(args, kwargs, window.factor)
+    return wrapped(*args, **kwargs)
+
+
+def _engine_flags_needed(accelerator) -> bool:
+    """accelerate < 1.10: DeepSpeedEngineWrapper.backward takes no sync_gradients and never sets the engine's
+    boundary (applied.facts says which, from the structural check)."""
+    return not applied.facts(FIX_ID).get("wrapper_sets_boundary", True)
+
+
+def _set_engine_boundary(accelerator) -> None:
+    engine = getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
+    if engine is not None:
+        engine.set_gradient_accumulation_boundary(accelerator.gradient_state.sync_gradients)
+
+
 def _accelerate_divides(accelerator) -> bool:
     """Whether Accelerator.backward divides this loss by GAS itself (not under DeepSpeed / Megatron-LM,
-    whose engines scale; their short windows are left as they are)."""
+    whose engines scale)."""
     kind = str(getattr(accelerator, "distributed_type", ""))
     return "DEEPSPEED" not in kind and "MEGATRON" not in kind
 

@@ -24,8 +24,10 @@ The reduction per ZeRO stage (measured exact on 0.14.5 and 0.19.8: error ~1e-8, 
 included): stage 0 ``allreduce_gradients()``; stage 1/2 rebuild the
 reduction buckets, hand every parameter holding a gradient to ``reduce_ready_partitions_and_remove_grads``
 and run ``overlapping_partition_gradients_reduce_epilogue()``; stage 3 accumulates and reduces in every
-backward through its own micro-step id, so the flag alone is enough. Configurations whose reduction path
-was not measured (the fp16 wrapper at stage 0, optimizer offload at stage 1/2, pipeline engines,
+backward through its own micro-step id, so the flag alone is enough. ZeRO-1/2 with optimizer offload
+keep no device partition to reduce into: there each backward of a manual window runs as a lone boundary
+and zerofix sums the fp32 partition itself (zerofix.fixes._zero12_offload). Configurations whose
+reduction path was not measured (the fp16 wrapper at stage 0, pipeline engines,
 ``managed_gradient_accumulation: false``) are passed through untouched, and status() says so. bf16 (ZeRO-0's
 BF16_Optimizer, ZeRO-1/2/3 in bf16) was measured on CPU (0.15.4 - 0.19.8): the same reductions are exact to
 bf16 rounding.
@@ -37,7 +39,7 @@ import weakref
 from zerofix import applied
 from zerofix._log import log
 from zerofix.counter import FLUSH, FOLLOW, PASS, MicroStepCounter, StepPlan
-from zerofix.fixes import _deepspeed_backward
+from zerofix.fixes import _deepspeed_backward, _zero12_offload
 from zerofix.fixes.contract import Check, drifted
 
 FIX_ID = "deepspeed-manual-accumulation"
@@ -73,21 +75,25 @@ def structural_check(fix_id: str, targets) -> Check:
 
 # ----------------------------------------------------------------------------- per-engine state
 class _EngineState:
-    __slots__ = ("counter", "stage", "replaces", "eligible", "reason", "warned", "carried", "param_ids",
-                 "scale_wrt_gas_at", "__weakref__")
+    __slots__ = ("counter", "stage", "offload", "replaces", "eligible", "reason", "warned", "carried",
+                 "window_sum", "param_ids", "scale_wrt_gas_at", "__weakref__")
 
     def __init__(self, engine):
         self.stage = int(engine.zero_optimization_stage())
         # ZeRO-1/2 from deepspeed 0.17.6 (the all_grad_tensors accumulator) *assign* the reduced partition at
         # a boundary; before, the epilogue added every reduction to it.
+        self.offload = self.stage in (1, 2) and bool(getattr(engine.optimizer, "cpu_offload", False))
         self.replaces = self.stage in (1, 2) and hasattr(engine.optimizer, "all_grad_tensors")
         # At config GAS=1 every backward is a boundary: ZeRO-0/3, and ZeRO-1/2 while the epilogue adds,
         # reduce each one and accumulate the results, which is right by itself.
-        upstream_accumulates = engine.gradient_accumulation_steps() == 1 and not self.replaces
+        # With optimizer offload every boundary replaces the fp32 partition's gradient.
+        upstream_accumulates = (engine.gradient_accumulation_steps() == 1 and not self.replaces
+                                and not self.offload)
         self.counter = MicroStepCounter(upstream_accumulates=upstream_accumulates)
         self.eligible, self.reason = _eligibility(engine, self.stage)
         self.warned: list[str] = []
         self.carried = None  # ZeRO-1/2: this rank's reduced partition of the window, kept for the flush
+        self.window_sum = None  # ZeRO-1/2 with offload: the window's sum of the fp32 partition's gradient
         # for the read wrappers, which reduce only ZeRO-1/2 windows
         self.param_ids = frozenset(id(p) for p in engine.module.parameters()) if self.stage in (1, 2) else ()
         # where backward() takes scale_wrt_gas positionally, as the structural check found it
@@ -117,7 +123,11 @@ def _eligibility(engine, stage: int) -> tuple[bool, str]:
         if not all(hasattr(opt, a) for a in _ZERO12_API):
             return False, f"ZeRO-{stage} optimizer {type(opt).__name__}: not measured"
         if getattr(opt, "cpu_offload", False):
-            return False, f"ZeRO-{stage} with optimizer offload: not measured"
+            missing = _zero12_offload.missing_api(opt)
+            if missing:
+                return False, f"ZeRO-{stage} with optimizer offload: the optimizer has no {missing}: not measured"
+            return True, (f"ZeRO-{stage} with optimizer offload: each backward of a manual window runs as a "
+                          "lone boundary, zerofix sums the fp32 partition for step()")
         if stage == 2 and _accumulator_broken(opt):
             # deepspeed 0.17.6 - 0.18.2: each backward's epilogue restarts the partition's accumulator,
             # so a flush at step() starts it from the flush's own (empty) gradients: a zero update.
@@ -160,6 +170,12 @@ def backward(wrapped, engine, args, kwargs):
     if plan.mode == FOLLOW:  # DeepSpeed's own schedule or the user's flag: exactly what DeepSpeed does
         boundary = explicit if explicit is not None else engine.is_gradient_accumulation_boundary()
         result = wrapped(*args, **kwargs)
+    elif state.offload:
+        result, state.window_sum = _zero12_offload.backward(
+            wrapped, engine.optimizer, flags, _FLAG, state.window_sum, carry=plan.carry,
+            joins=state.window_sum is None and not plan.carry and counter.pending > 0, args=args, kwargs=kwargs)
+        boundary = True
+        _unreduced.add(engine)  # a read before step() must see the window's sum
     else:
         if plan.carry and state.replaces:
             state.carried = _partition_copy(engine.optimizer)  # the next reduction replaces it
@@ -200,6 +216,7 @@ def step(wrapped, engine, args, kwargs):
         if plan.action == FLUSH:
             _reduce_window(engine, state)
         result = wrapped(*args, **kwargs)
+    state.window_sum = None
     counter.stepped(plan)
     return result
 
@@ -268,6 +285,9 @@ def _reduce_window(engine, state: _EngineState) -> None:
     same window left (ZeRO-1/2 from 0.17.6 assign the reduced partition; earlier ones add to it; ZeRO-0
     re-averages the already averaged part unchanged; ZeRO-3 accumulates by itself)."""
     _unreduced.discard(engine)
+    if state.offload:  # every backward ran as a boundary: the window is the sum zerofix kept
+        _zero12_offload.write_window(engine.optimizer, state.window_sum)
+        return
     _reduce_as_boundary(engine, state.stage)
     if state.carried is not None:
         _add_partition(engine.optimizer, state.carried)
