@@ -240,7 +240,8 @@ SUBSETS = {
         "accelerate-zero2-custom": HOOK}),
     "2025-10": ("trainer-zero2-custom,accelerate-zero2-custom,deepspeed-zero2-*", {
         "trainer-zero2-custom": ZERO12, "accelerate-zero2-custom": ZERO12, "deepspeed-zero2-own": ZERO12,
-        "deepspeed-zero2-manual": "fixed by deepspeed-manual-accumulation + deepspeed-zero12-accumulator"}),
+        "deepspeed-zero2-manual": "fixed by deepspeed-manual-accumulation + deepspeed-zero12-accumulator",
+        "deepspeed-zero2-offload-manual": MANUAL, "deepspeed-zero2-offload-own": "fixed by deepspeed-offload-accumulator"}),
     "2025-01": ("trainer-zero3-*,accelerate-zero2-custom", {
         "trainer-zero3-causal-lm": "fixed by transformers-deepspeed-double-division",
         "trainer-zero3-custom": "fixed by transformers-deepspeed-double-division",
