@@ -38,19 +38,17 @@ from zerofix.fixes.contract import Check, drifted, found
 FIX_ID = "accelerate-short-last-window"
 FIX_IDS = (FIX_ID,)
 _KEY = "_zerofix_window"  # accelerator.__dict__: the current accumulate() window
-
-
 _FLAGS_KEY = "_zerofix_flags_boundaries"  # accelerator.__dict__: zerofix sets the engine's boundary flags
 
 
 class _Window:
     __slots__ = ("micro_batches", "closing", "factor", "expected")
 
-    def __init__(self, expected: int | None = None):
+    def __init__(self):
         self.micro_batches = 0  # accumulate() calls of this window
         self.closing = False  # the current micro-batch closes it: the next accumulate() opens a new one
         self.factor = None  # GAS/n once a short window's gradients were rescaled (or, DeepSpeed, its losses)
-        self.expected = expected  # DeepSpeed: the short window's length foreseen when it opened
+        self.expected = None  # DeepSpeed: the short window's length foreseen when it opened
 
 
 def structural_check(fix_id: str, targets) -> Check:
@@ -67,7 +65,7 @@ def structural_check(fix_id: str, targets) -> Check:
     backward = inspect.unwrap(targets["Accelerator.backward"])
     if "gradient_accumulation_steps" not in backward.__code__.co_names:
         return drifted("Accelerator.backward no longer divides by gradient_accumulation_steps")
-    if "step" not in inspect.getsource(Accelerator._do_sync):
+    if "step" not in do_sync.__code__.co_names:
         return drifted("Accelerator._do_sync no longer counts the micro-batches in self.step")
     try:  # accelerate >= 1.10's wrapper sets the engine's boundary from sync_gradients itself
         from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
@@ -81,7 +79,7 @@ def accumulate(wrapped, accelerator, args, kwargs):
     window = accelerator.__dict__.get(_KEY)
     if window is None or window.closing:
         window = accelerator.__dict__[_KEY] = _Window()
-        if not _accelerate_divides(accelerator):  # DeepSpeed: a short window must be known before it runs
+        if _under_deepspeed(accelerator):  # a short window must be known before it runs
             left = _micro_batches_left(accelerator)
             gas = accelerator.gradient_accumulation_steps
             if left is not None and 0 < left < gas:
@@ -116,10 +114,7 @@ def backward(wrapped, accelerator, args, kwargs):
         return wrapped(*args, **kwargs)
     window.closing = True
     if window.factor is not None:  # a further backward of a short window's last micro-batch: scale its share
-        if args:
-            args = (args[0] * window.factor, *args[1:])
-        else:
-            kwargs = {**kwargs, "loss": kwargs["loss"] * window.factor}
+        args, kwargs = _scaled(args, kwargs, window.factor)
         return wrapped(*args, **kwargs)
     gas = accelerator.gradient_accumulation_steps
     n = window.micro_batches
@@ -147,7 +142,7 @@ def _deepspeed_short_backward(wrapped, accelerator, window, args, kwargs):
                 "(were some batches trained outside accumulate()?): its micro-batches were scaled by %g "
                 "instead of %g.", FIX_ID, window.expected, window.micro_batches, window.factor,
                 accelerator.gradient_accumulation_steps / window.micro_batches)
-        if _engine_flags_needed(accelerator):  # accelerate < 1.10 leaves the boundary to DeepSpeed's count
+        if _engine_flags_needed():  # accelerate < 1.10 leaves the boundary to DeepSpeed's count
             accelerator.__dict__[_FLAGS_KEY] = True
     if accelerator.__dict__.get(_FLAGS_KEY):
         _set_engine_boundary(accelerator)
@@ -155,7 +150,7 @@ def _deepspeed_short_backward(wrapped, accelerator, window, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-def _engine_flags_needed(accelerator) -> bool:
+def _engine_flags_needed() -> bool:
     """accelerate < 1.10: DeepSpeedEngineWrapper.backward takes no sync_gradients and never sets the engine's
     boundary (applied.facts says which, from the structural check)."""
     return not applied.facts(FIX_ID).get("wrapper_sets_boundary", True)
@@ -165,6 +160,10 @@ def _set_engine_boundary(accelerator) -> None:
     engine = getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
     if engine is not None:
         engine.set_gradient_accumulation_boundary(accelerator.gradient_state.sync_gradients)
+
+
+def _under_deepspeed(accelerator) -> bool:
+    return "DEEPSPEED" in str(getattr(accelerator, "distributed_type", ""))
 
 
 def _accelerate_divides(accelerator) -> bool:
