@@ -18,7 +18,7 @@ import sys
 import threading
 from typing import NamedTuple
 
-from zerofix import applied, catalogue, importhooks
+from zerofix import applied, catalogue, importhooks, trainer_report
 from zerofix._log import log
 from zerofix.errors import StrictError
 from zerofix.fixes import contract
@@ -158,6 +158,8 @@ def patch(fixes=None, exclude=(), *, strict: bool = False) -> None:
                 if (fix.id, module) not in _reload_watched:  # once: patch/unpatch cycles add no twin
                     _reload_watched.add((fix.id, module))
                     importhooks.when_reloaded(module, lambda m, fix_id=fix.id: _on_reload(fix_id))
+        if _enabled:  # the run's own log says what zerofix does (zerofix.trainer_report)
+            trainer_report.register(status)
 
 
 def _on_import(fix_id: str, module: str | None = None) -> None:
@@ -275,6 +277,8 @@ def unpatch(fixes=None) -> None:
         for fix_id in selected:
             _disable(fix_id)
             _records.pop(fix_id, None)
+        if not _enabled:
+            trainer_report.unregister()
 
 
 def _disable(fix_id: str) -> None:

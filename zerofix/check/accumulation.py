@@ -48,6 +48,8 @@ class Cell(NamedTuple):
     direct: bool = False  # the loop calls loss.backward() itself (torch-style backward, ZeRO-1/2/3 >= 0.18.3)
     offload: bool = False  # ZeRO-1/2 optimizer offload to CPU (the torch optimizer runs on the fp32 partition)
     dtype: str = "fp32"  # fp32 | bf16 | fp16: DeepSpeed's mixed-precision optimizers (fp32 master weights)
+    length: int = 0  # micro-batches per window (0: the style's, 4 or 3); a user configuration's GAS
+    grad_clip: float | None = None  # gradient_clipping (None: the style's, CLIP for e/f, else 0)
 
     @property
     def name(self) -> str:
@@ -61,11 +63,15 @@ class Cell(NamedTuple):
         direct = "-direct" if self.direct else ""
         offload = "-offload" if self.offload else ""
         dtype = "" if self.dtype == "fp32" else f"-{self.dtype}"
+        length = f"-len{self.length}" if self.length else ""
+        clip = "" if self.grad_clip is None else f"-clip{self.grad_clip:g}"
         return (f"z{self.stage}{overlap}-gas{self.gas}-{self.style}-{self.optimizer}{resume}{logits}{scaled}"
-                f"{windows}{repeat}{probe}{direct}{offload}{dtype}")
+                f"{windows}{repeat}{probe}{direct}{offload}{dtype}{length}{clip}")
 
     @property
     def clip(self) -> float:
+        if self.grad_clip is not None:
+            return self.grad_clip
         return CLIP if self.style in ("e", "f") else 0.0
 
     @property
@@ -80,7 +86,7 @@ MICRO_BATCH = 2  # samples per rank per micro-step
 def window_lengths(cell: Cell) -> list[int]:
     if cell.style == "short":
         return [4, 4, 2]
-    return [3 if cell.style == "d" else 4] * cell.windows
+    return [cell.length or (3 if cell.style == "d" else 4)] * cell.windows
 
 
 def ops(cell: Cell) -> list[tuple]:

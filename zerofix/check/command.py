@@ -37,6 +37,18 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout", type=float, default=300, help="seconds per job (default 300)")
     p.add_argument("--workdir", help="keep every run's files here (default: a temporary directory)")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    own = p.add_argument_group("your configuration", "run the scenarios that concern your run with its settings "
+                               "(docs/check.md, 'Check your own configuration')")
+    own.add_argument("--deepspeed", metavar="DS_CONFIG.json", help="your DeepSpeed config (\"auto\" values are "
+                     "resolved as the Trainer resolves them)")
+    own.add_argument("--gas", type=int, help="your gradient accumulation steps (default: the config's, else 4)")
+    own.add_argument("--bf16", action="store_true", help="your run trains in bf16 (bf16.enabled \"auto\")")
+    own.add_argument("--fp16", action="store_true", help="your run trains in fp16 (not reproducible on CPU)")
+    own.add_argument("--model", metavar="PATH", help="a local model directory or config.json: the scenarios train a "
+                     "tiny random model of the same class (nothing is downloaded)")
+    own.add_argument("--trainer-args", metavar="ARGS.json", help="your TrainingArguments as JSON "
+                     "(TrainingArguments.to_json_string()): GAS, batch size, max_grad_norm, "
+                     "average_tokens_across_devices")
 
 
 def main(args, parser) -> int:
@@ -44,6 +56,12 @@ def main(args, parser) -> int:
         for s in plan.SCENARIOS:
             print(f"{s.name:<28} {s.title}{'  [quick]' if s.quick else ''}")
         return 0
+    own = [f"--{name.replace('_', '-')}" for name in ("gas", "bf16", "fp16", "model", "trainer_args")
+           if getattr(args, name) not in (None, False)]
+    if own and not args.deepspeed:
+        parser.error(f"{', '.join(own)} describe your run's configuration: give it with --deepspeed DS_CONFIG.json")
+    if args.deepspeed and args.quick:
+        parser.error("--quick runs the built-in scenarios; leave it out with --deepspeed")
     if args.quick and args.nproc not in (None, 1):
         parser.error("--quick runs 1 process; leave out --nproc")
     nproc = 1 if args.quick else (2 if args.nproc is None else args.nproc)
@@ -55,11 +73,17 @@ def main(args, parser) -> int:
         # Found out now, not after minutes of runs.
         if path and not Path(path).resolve().parent.is_dir():
             parser.error(f"{option} {path}: the directory {Path(path).resolve().parent} does not exist")
+    # A temporary directory is removed at the end unless a job failed (its launcher.log is the full story).
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="zerofix-check-"))
     try:
-        rows = plan.select(only=_names(args.only), skip=_names(args.skip), quick=args.quick)
-    except plan.UsageError as exc:
+        user = _user_setup(args, nproc, workdir) if args.deepspeed else None
+        rows = plan.select(only=_names(args.only), skip=_names(args.skip), quick=args.quick,
+                           rows=user["rows"] if user else None)
+    except (plan.UsageError, _user_errors()) as exc:
+        _remove(workdir, args)
         parser.error(str(exc))
     if not rows:
+        _remove(workdir, args)
         parser.error("no scenario left to run")
     if args.plot:
         from zerofix.check import curves
@@ -73,22 +97,32 @@ def main(args, parser) -> int:
     start = time.time()
     found = versions()
     print(header(found, nproc), flush=True)
+    if user:
+        print(user_header(user), flush=True)
+    print(preflight(found, rows, plan.USER_JOBS if user else plan.JOBS), flush=True)
+    workdir.mkdir(parents=True, exist_ok=True)
     try:
-        if args.workdir:
-            Path(args.workdir).mkdir(parents=True, exist_ok=True)
-            results = run_rows(rows, nproc, Path(args.workdir), args.timeout, found)
-        else:
-            with tempfile.TemporaryDirectory(prefix="zerofix-check-") as tmp:
-                results = run_rows(rows, nproc, Path(tmp), args.timeout, found)
+        results = run_rows(rows, nproc, workdir, args.timeout, found, user=user)
     except KeyboardInterrupt:
         print("\nzerofix check: interrupted (the running job's ranks were stopped)", file=sys.stderr)
+        _remove(workdir, args)
         return 130
     seconds = time.time() - start
     print(table(results))
     code = verdict.exit_code(r["status"] for r in results)
     print(summary(results, seconds), flush=True)
+    print(advice(results), flush=True)
+    if any(r["status"] == "failed" for r in results) and not args.workdir:
+        print(f"The failed jobs' full logs are kept: {workdir}/<job>/launcher.log", flush=True)
+    elif not args.workdir:
+        _remove(workdir, args)
     document = {"versions": found, "nproc": nproc, "quick": args.quick, "seconds": round(seconds, 1),
                 "exit_code": code, "scenarios": results}
+    if user:
+        cfg = user["config"]
+        document["configuration"] = {"file": cfg.path, "resolved": cfg.ds, "summary": cfg.summary(),
+                                     "notes": list(cfg.notes), "unreproducible": list(cfg.unreproducible),
+                                     "model": user["described"]}
     if args.plot:
         from zerofix.check import curves
 
@@ -98,6 +132,115 @@ def main(args, parser) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(document, indent=1))
     return code
+
+
+def _remove(workdir: Path, args) -> None:
+    if not args.workdir:
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _user_errors():
+    from zerofix.check.userconfig import ConfigError
+
+    return ConfigError
+
+
+def _user_setup(args, nproc: int, workdir: Path) -> dict:
+    """Resolve ``--deepspeed`` (and ``--trainer-args``, ``--model``): the configuration, the model the rows
+    train, and the rows. Raises userconfig.ConfigError for anything unusable."""
+    from zerofix.check import userconfig
+
+    cfg = userconfig.load(args.deepspeed, gas=args.gas, nproc=nproc, bf16=args.bf16, fp16=args.fp16,
+                          trainer_args=args.trainer_args)
+    described, model, tied = None, "causal-lm", False
+    if args.model:
+        if not installed_version("transformers") or not installed_version("torch"):
+            raise userconfig.ConfigError("--model builds a transformers model: install torch and transformers")
+        from zerofix.check import usermodel
+
+        model, described = usermodel.prepare(args.model, workdir / "model")
+        tied = described["tied_head"]
+    average_tokens = cfg.average_tokens
+    if average_tokens is None and installed_version("transformers"):
+        # the installed release's default, as the user's run gets it when it does not set the field
+        import dataclasses
+
+        from transformers import TrainingArguments
+
+        average_tokens = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}.get(
+            "average_tokens_across_devices", False)
+    rows = plan.user_scenarios(cfg, model_name=described and described["class"], tied=tied)
+    return {"config": cfg, "model": model, "tied": tied, "described": described,
+            "average_tokens": bool(average_tokens), "rows": rows}
+
+
+def user_header(user: dict) -> str:
+    cfg = user["config"]
+    lines = [f"your configuration: {cfg.path}: {cfg.summary()}"]
+    if user["described"]:
+        d = user["described"]
+        lines.append(f"your model: a tiny random {d['class']} ({d['model_type']}, {'tied' if d['tied_head'] else 'untied'} "
+                     f"head, {d['parameters']} parameters) from {d['source']}")
+    lines += [f"  - {note}" for note in cfg.notes]
+    lines += [f"  - not reproducible on CPU: {what}" for what in cfg.unreproducible]
+    return "\n".join(lines)
+
+
+def preflight(found: dict, rows, jobs: dict) -> str:
+    """One line: the prerequisites the selected scenarios need that are missing (torch for every one; a C++
+    compiler for DeepSpeed, which builds its CPU communication op on first use), or that all are there."""
+    import shutil
+
+    needs_deepspeed = any("deepspeed" in jobs[r.job].requires for r in rows)
+    problems, present = [], []
+    if not found.get("torch"):
+        problems.append("torch is not installed: every scenario is skipped (pip install torch; see the README's "
+                        "quick start)")
+    if needs_deepspeed and found.get("deepspeed"):
+        compiler = os.environ.get("CXX") or "c++"
+        located = shutil.which(compiler) or (None if os.environ.get("CXX") else shutil.which("g++"))
+        if located:
+            present.append(f"C++ compiler {located}")
+        else:
+            problems.append(f"no C++ compiler ({'$CXX=' + compiler if os.environ.get('CXX') else 'c++ or g++'} not "
+                            "found): DeepSpeed builds its CPU communication op with one, so its scenarios will fail "
+                            "(install g++, e.g. apt-get install g++)")
+    if problems:
+        return "pre-flight: " + "; ".join(problems)
+    return "pre-flight: ok" + (f" ({', '.join(present)})" if present else "")
+
+
+def advice(results: list[dict]) -> str:
+    """What to do, from the verdicts: which fixes this run needs (and the upstream release that has each fix),
+    or that nothing is needed, or what a WRONG / failed row asks for."""
+    from zerofix import catalogue
+
+    by_id = {f.id: f for f in catalogue.FIXES}
+    needed = []
+    for r in results:
+        if r["status"] == "fixed":
+            needed += [f for f in r["applied"] if f not in needed]
+    lines = ["What to do:"]
+    if needed:
+        lines.append("- keep zerofix active in this run (ZEROFIX=1, or zerofix.patch() at the top of the script); "
+                     "it applies:")
+    for fix_id in needed:
+        fix = by_id[fix_id]
+        upstream = (f"fixed upstream in {fix.dist} {fix.fixed_in}: upgrading fixes it too" if fix.fixed_in
+                    else "no upstream release fixes it yet")
+        lines.append(f"  {fix_id} ({upstream})")
+    if any(r["status"] == "WRONG" for r in results):
+        lines.append("- WRONG rows train a gradient other than the one meant, with zerofix too: do not trust those "
+                     "runs' updates; report it with the --json output")
+    if any(r["status"] == "failed" for r in results):
+        lines.append("- failed rows could not be measured: the reason is under the table")
+    if len(lines) == 1:
+        ran = [r for r in results if r["status"] != "skipped"]
+        lines.append("- nothing: every scenario that ran is right without zerofix" if ran
+                     else "- nothing ran: see the skip reasons above")
+    return "\n".join(lines)
 
 
 def _names(text):
@@ -112,8 +255,11 @@ def header(found: dict, nproc: int) -> str:
             f"(1.0000 is right); reference: float64, one process, the same samples")
 
 
-def skip_reason(job: plan.Job, nproc: int, found: dict) -> str | None:
-    missing = [d for d in job.requires if not (found.get(d) or installed_version(d))]
+def skip_reason(job: plan.Job, nproc: int, found: dict, unreproducible=()) -> str | None:
+    if unreproducible:
+        return "not reproducible on CPU: " + "; ".join(unreproducible)
+    # every scenario trains with torch (and its launcher is torch's)
+    missing = [d for d in ("torch", *job.requires) if not (found.get(d) or installed_version(d))]
     if missing:
         return f"{', '.join(missing)} not installed"
     for dist, spec, why in job.versions:
@@ -126,29 +272,37 @@ def skip_reason(job: plan.Job, nproc: int, found: dict) -> str | None:
     return None
 
 
-def run_rows(rows, nproc: int, workdir: Path, timeout: float, found: dict) -> list[dict]:
-    """Run the rows job by job (a progress bar on stderr); one result dict per row, in plan order."""
-    from zerofix.check import jobs, launch
-
+def run_rows(rows, nproc: int, workdir: Path, timeout: float, found: dict, user: dict | None = None) -> list[dict]:
+    """Run the rows job by job (a progress bar on stderr); one result dict per row, in plan order. ``user``:
+    a user's configuration (``--deepspeed``), which the rows' jobs train with."""
     by_job: dict[str, list] = {}
     for row in rows:
         by_job.setdefault(row.job, []).append(row)
     results = {}
     runnable = []
+    jobs_by_name = plan.USER_JOBS if user else plan.JOBS
     for name, job_rows in by_job.items():
-        reason = skip_reason(plan.JOBS[name], nproc, found)
+        reason = skip_reason(jobs_by_name[name], nproc, found, user["config"].unreproducible if user else ())
         for row in job_rows:
             if reason:
                 results[row.name] = _result(row, status="skipped", text=f"skipped: {reason}")
         if not reason:
-            runnable.append((plan.JOBS[name], job_rows))
+            runnable.append((jobs_by_name[name], job_rows))
+    if runnable:  # torch is installed: the jobs can be imported
+        _run_jobs(runnable, nproc, workdir, timeout, found, user, results)
+    return [results[row.name] for row in rows]
+
+
+def _run_jobs(runnable, nproc, workdir, timeout, found, user, results) -> None:
+    from zerofix.check import jobs, launch
+
     bar = _progress(len(runnable))
     for job, job_rows in runnable:
         bar.set_description(job.name)
         ranks = 1 if job.ranks == "1" else nproc
         started = time.time()
         try:
-            measured, failure = jobs.run(job, job_rows, ranks, workdir / job.name, timeout), None
+            measured, failure = jobs.run(job, job_rows, ranks, workdir / job.name, timeout, user=user), None
         except launch.LaunchError as exc:
             measured, failure = {}, exc.tail
         except Exception as exc:  # noqa: BLE001 - one job's failure must not hide the others' results
@@ -158,7 +312,6 @@ def run_rows(rows, nproc: int, workdir: Path, timeout: float, found: dict) -> li
                                             found)
         bar.update(1)
     bar.close()
-    return [results[row.name] for row in rows]
 
 
 def _result(row, *, status, text, **extra) -> dict:
@@ -222,7 +375,7 @@ def table(results: list[dict]) -> str:
             if outcome and "error" in outcome:
                 notes.setdefault(f"{label}: {_one_line(outcome['error'])}", []).append(r["name"])
         if r.get("tail"):
-            notes.setdefault("the job failed; the failing rank's last lines:\n    "
+            notes.setdefault("the job failed:\n    "
                              + r["tail"].replace("\n", "\n    "), []).append(r["name"])
         if r.get("note"):
             notes.setdefault(r["note"], []).append(r["name"])

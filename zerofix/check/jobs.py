@@ -36,17 +36,18 @@ def trainer(job, rows, nproc, out_dir, timeout):
     return {r.name: _variant_rows(results[model_of(r.name)], r.fixes) for r in rows}
 
 
-def accelerate(job, rows, nproc, out_dir, timeout):
-    cells = [{"name": model_of(r.name), "model": model_of(r.name), "gas": ACCELERATE_GAS,
-              "samples": WINDOWS * ACCELERATE_GAS * BATCH * nproc} for r in rows]
+def accelerate(job, rows, nproc, out_dir, timeout, *, cells=None, zero_stage=None, ds_config=None):
+    cells = cells or [{"name": model_of(r.name), "model": model_of(r.name), "gas": ACCELERATE_GAS,
+                       "samples": WINDOWS * ACCELERATE_GAS * BATCH * nproc} for r in rows]
+    zero_stage = job.zero_stage if zero_stage is None else zero_stage
     try:
-        results = parity.accelerate_cells(out_dir, cells, nproc=nproc, zero_stage=job.zero_stage, lr=LR,
-                                          timeout=timeout)
+        results = parity.accelerate_cells(out_dir, cells, nproc=nproc, zero_stage=zero_stage, lr=LR,
+                                          timeout=timeout, ds_config=ds_config)
     except launch.LaunchError as crash:
         # The unpatched variant runs first in the same ranks: a crash there (accelerate 1.3.0's no_sync under
         # ZeRO-2/3) would hide the patched run. Run it alone; if it crashes too, the row fails.
-        patched = parity.accelerate_cells(out_dir / "patched-only", cells, nproc=nproc, zero_stage=job.zero_stage,
-                                          lr=LR, zerofix="on", timeout=timeout)
+        patched = parity.accelerate_cells(out_dir / "patched-only", cells, nproc=nproc, zero_stage=zero_stage,
+                                          lr=LR, zerofix="on", timeout=timeout, ds_config=ds_config)
         return {r.name: {"unpatched": {"error": crash.tail},
                          "patched": _outcome(patched[model_of(r.name)]["patched"]),
                          "applied": _applied(patched[model_of(r.name)]["patched"]["rank_status"][0], r.fixes)}
@@ -70,9 +71,9 @@ def ds_cell(name: str) -> accumulation.Cell:
     return accumulation.Cell(stage, 4, "b", offload=offload)
 
 
-def deepspeed(job, rows, nproc, out_dir, timeout):
-    cells = [ds_cell(r.name) for r in rows]
-    runs = parity.ds_accumulation(out_dir, cells, nproc=nproc, timeout=timeout)
+def deepspeed(job, rows, nproc, out_dir, timeout, *, cells=None, base_config=None):
+    cells = cells or [ds_cell(r.name) for r in rows]
+    runs = parity.ds_accumulation(out_dir, cells, nproc=nproc, timeout=timeout, base_config=base_config)
     out = {}
     for row, cell in zip(rows, cells, strict=True):
         entry = {}
@@ -94,7 +95,7 @@ def _ds_outcome(init: dict, snapshots: list[dict], cell, world: int) -> dict:
         return {"error": f"{len(snapshots)} of {len(windows)} windows recorded"}
     comparisons, start = [], init
     for window, end in zip(windows, snapshots, strict=True):
-        states, _ = reference.reference_windows(start, [window], world=world,
+        states, _ = reference.reference_windows(start, [window], world=world, clip=cell.clip,
                                                 optimizer_factory=reference.OPTIMIZERS[cell.optimizer])
         comparisons.append(reference.compare(start, end, states[0]))
         start = end
@@ -104,12 +105,12 @@ def _ds_outcome(init: dict, snapshots: list[dict], cell, world: int) -> dict:
 ZERO3_LOSS = "zerofix.check.scenarios.zero3_loss"
 
 
-def zero3_loss(job, rows, nproc, out_dir, timeout):
+def zero3_loss(job, rows, nproc, out_dir, timeout, *, tied: bool = False):
     import torch
 
     from zerofix.check.scenarios import zero3_loss as scenario
 
-    cells = [{"name": r.name, "mode": r.name.rsplit("-", 1)[1], "tied": False, "bias": True, "chunk_size": 3,
+    cells = [{"name": r.name, "mode": r.name.rsplit("-", 1)[1], "tied": tied, "bias": not tied, "chunk_size": 3,
               "loss": "zerofix"} for r in rows]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -200,7 +201,53 @@ def trl_outcome(records: list[dict], ref: list[dict]) -> dict:
     return {"ratio": norms / ref_norms if ref_norms else float("nan"), "cosine": None, "rel_err": worst}
 
 
+# ------------------------------------------------------------------ a user's configuration (--deepspeed)
+# ``user``: {"config": userconfig.UserConfig, "model": the causal LM's kind ("causal-lm" or "hf:<file>"),
+# "tied": whether that model ties its head, "average_tokens": TrainingArguments.average_tokens_across_devices}
+
+
+def _user_model(row_name: str, user: dict) -> str:
+    return user["model"] if row_name.endswith("-causal-lm") else "custom"
+
+
+def your_trainer(job, rows, nproc, out_dir, timeout, user):
+    cfg = user["config"]
+    cells = [{"name": model_of(r.name), "model": _user_model(r.name, user), "gas": cfg.gas, "bs": cfg.micro_batch,
+              "samples": WINDOWS * cfg.gas * cfg.micro_batch * nproc, "clip": cfg.clip, "bf16": cfg.dtype == "bf16",
+              "average_tokens": user["average_tokens"]} for r in rows]
+    results = parity.trainer_cells(out_dir, cells, nproc=nproc, zero_stage=cfg.stage, lr=LR, timeout=timeout,
+                                   ds_config=cfg.ds)
+    return {r.name: _variant_rows(results[model_of(r.name)], r.fixes) for r in rows}
+
+
+def your_accelerate(job, rows, nproc, out_dir, timeout, user):
+    cfg = user["config"]
+    cells = [{"name": model_of(r.name), "model": _user_model(r.name, user), "gas": cfg.gas, "clip": cfg.clip,
+              "samples": WINDOWS * cfg.gas * BATCH * nproc} for r in rows]
+    return accelerate(job, rows, nproc, out_dir, timeout, cells=cells, zero_stage=cfg.stage, ds_config=cfg.ds)
+
+
+def user_ds_cell(name: str, cfg) -> accumulation.Cell:
+    """deepspeed-manual: the loop accumulates GAS micro-batches itself with config GAS=1 (4 when the
+    configuration's GAS is 1); deepspeed-own: backward + step() per micro-batch at the configuration's GAS."""
+    common = {"grad_clip": cfg.clip, "offload": cfg.offload == "cpu", "dtype": cfg.dtype}
+    if name.endswith("-manual"):
+        return accumulation.Cell(cfg.stage, 1, "a", length=cfg.gas if cfg.gas > 1 else 4, **common)
+    return accumulation.Cell(cfg.stage, cfg.gas, "b", length=cfg.gas, **common)
+
+
+def your_deepspeed(job, rows, nproc, out_dir, timeout, user):
+    cells = [user_ds_cell(r.name, user["config"]) for r in rows]
+    return deepspeed(job, rows, nproc, out_dir, timeout, cells=cells, base_config=user["config"].ds)
+
+
+def your_zero3_loss(job, rows, nproc, out_dir, timeout, user):
+    return zero3_loss(job, rows, nproc, out_dir, timeout, tied=user["tied"])
+
+
 RUNNERS = {"deepspeed": deepspeed, "zero3-loss": zero3_loss, "trl-sft": trl_sft}
+USER_RUNNERS = {"your-trainer": your_trainer, "your-accelerate": your_accelerate, "your-deepspeed": your_deepspeed,
+                "your-zero3-loss": your_zero3_loss}
 
 
 def runner(job):
@@ -208,5 +255,7 @@ def runner(job):
     return RUNNERS.get(job.name) or {"trainer": trainer, "accelerate": accelerate}[job.name.split("-", 1)[0]]
 
 
-def run(job, rows, nproc: int, out_dir, timeout: float) -> dict:
+def run(job, rows, nproc: int, out_dir, timeout: float, user: dict | None = None) -> dict:
+    if job.name in USER_RUNNERS:
+        return USER_RUNNERS[job.name](job, rows, nproc, Path(out_dir), timeout, user)
     return runner(job)(job, rows, nproc, Path(out_dir), timeout)

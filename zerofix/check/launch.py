@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -75,24 +76,25 @@ def _launch(cmd, module, *, nproc, out_dir, timeout, env):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, _ = proc.communicate()
-        (out_dir / "launcher.log").write_text(stdout)
+        log = out_dir / "launcher.log"
+        log.write_text(stdout)
         raise LaunchError(f"{module} timed out after {timeout:.0f}s on {nproc} rank(s)\n{stdout[-6000:]}",
                           tail=f"timed out after {timeout:.0f} s; last lines:\n"
-                          + failing_rank_tail(stdout)) from None
-    (out_dir / "launcher.log").write_text(stdout)
+                          + failing_rank_tail(stdout) + f"\nfull log: {log}") from None
+    log = out_dir / "launcher.log"
+    log.write_text(stdout)
     if proc.returncode != 0:
         raise LaunchError(f"{module} failed on {nproc} rank(s) (exit {proc.returncode}); last lines "
                           f"of the ranks' output:\n" + "\n".join(stdout.splitlines()[-60:]),
-                          tail=failing_rank_tail(stdout))
+                          tail=failing_rank_tail(stdout) + f"\nfull log: {log}")
     return [json.loads(p.read_text()) for p in sorted(out_dir.glob("**/rank*.json"))]
 
 
 def failing_rank_tail(output: str, lines: int = 12) -> str:
     """The last lines of the first failing rank's traceback, headed by the rank: torchrun's "Root Cause"
-    names the rank, and torch prefixes the traceback of a rank with a process group by "[rank<r>]:" (the
-    launcher's last lines when either is missing, e.g. a crash before the process group existed)."""
-    import re
-
+    names the rank, and torch prefixes the traceback of a rank with a process group by "[rank<r>]:". Without
+    them (a rank that died before its process group existed, e.g. when DeepSpeed could not build its CPU
+    op), torchrun's footer says nothing: the real exception is found in the output (``real_cause``)."""
     cause = output.split("Root Cause", 1)[1] if "Root Cause" in output else ""
     found = re.search(r"\brank\s*:\s*(\d+)", cause)
     if found:
@@ -101,4 +103,32 @@ def failing_rank_tail(output: str, lines: int = 12) -> str:
         own = [line for line in own if line.strip(" ^~")]  # not the blank and the caret lines
         if own:
             return f"rank {found.group(1)}:\n" + "\n".join(own[-lines:])
-    return "\n".join(output.splitlines()[-lines:])
+    return real_cause(output) or "\n".join(output.splitlines()[-lines:])
+
+
+# The last line of a Python traceback: "pkg.module.SomeError: message" (optionally torch's "[rank1]:" prefix).
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit))\b(:.*)?$")
+# torchrun's own exceptions, which only say that a rank failed
+_LAUNCHER_EXCEPTIONS = ("ChildFailedError", "SignalException")
+# A compiler's own words in a failed C++ extension build (a missing compiler, a missing header)
+_BUILD_LINE = re.compile(r"(: not found$|: error: |fatal error|command not found|No such file or directory$)")
+
+
+def real_cause(output: str, limit: int = 300) -> str | None:
+    """The first exception a rank raised, from the raw output (the rank that failed first is the cause; the
+    others usually fail because of it), with the build tool's own line when a C++ extension did not build.
+    None when the output holds no traceback."""
+    lines = output.splitlines()
+    for i, line in enumerate(lines):
+        match = _EXCEPTION_LINE.match(line.strip())
+        if not match or match.group(1).rsplit(".", 1)[-1] in _LAUNCHER_EXCEPTIONS:
+            continue
+        if not any(l.lstrip().startswith(("Traceback", "[rank")) or l.startswith("  File ") for l in lines[max(0, i - 40):i]):
+            continue  # not the end of a traceback (a log line that merely mentions an error)
+        if any(l.strip().startswith(("The above exception", "During handling")) for l in lines[i + 1:i + 4]):
+            continue  # a chained cause: the exception raised from it says more (and comes next)
+        text = match.group(0) if not line.startswith("[rank") else line.split(":", 1)[1].strip()
+        text = text if len(text) <= limit else text[:limit - 3] + "..."
+        build = next((l.strip() for l in lines[i:i + 60] if _BUILD_LINE.search(l.strip())), None)
+        return text + (f"\n{build}" if build else "")
+    return None

@@ -45,6 +45,15 @@ def next_token_ce(logits, labels, reduction: str):
 
 
 def build_model(kind: str, seed: int = 0, *, loss_only: bool = False) -> nn.Module:
+    """``kind``: one of MODEL_KINDS, or ``hf:<file>``, a shrunk Hugging Face config written by
+    ``zerofix.check.usermodel`` (``zerofix check --model``)."""
+    if kind.startswith("hf:"):
+        import json
+        from pathlib import Path
+
+        from zerofix.check import usermodel
+
+        return usermodel.build(json.loads(Path(kind[3:]).read_text()), seed)
     torch.manual_seed(seed)
     if kind == "custom":
         return TinyNoKwargsLM(loss_only=loss_only)

@@ -10,6 +10,11 @@ TRAINER_GAS = "zerofix.check.scenarios.trainer_gas"
 LOSS_MODE = {"causal-lm": "token-mean", "custom": "batch-mean"}
 
 
+def loss_mode_of(model: str) -> str:
+    """The loss a model kind means: a Hugging Face model (``hf:<config>``) takes loss kwargs, as causal-lm."""
+    return LOSS_MODE.get(model, "token-mean")
+
+
 def trainer_gas(out_dir, *, model: str = "causal-lm", nproc: int = 1, gas: int = 8, lr: float = 5.0,
                 zerofix: str = "both", extra_args=(), env=None, launcher_prefix=(),
                 python: str = sys.executable, timeout: float = 600, also_last: bool = False) -> dict:
@@ -24,20 +29,23 @@ def trainer_gas(out_dir, *, model: str = "causal-lm", nproc: int = 1, gas: int =
 
 
 def trainer_cells(out_dir, cells, *, nproc: int = 1, zero_stage: int | None = None, lr: float = 5.0,
-                  zerofix: str = "both", env=None, python: str = sys.executable, timeout: float = 900) -> dict:
-    """Several Trainer cells (dicts: name, model, gas, samples, average_tokens, lr) in one torchrun job, with
-    or without DeepSpeed: {cell name: {variant: comparison + rank_status}}."""
+                  zerofix: str = "both", env=None, python: str = sys.executable, timeout: float = 900,
+                  ds_config: dict | None = None) -> dict:
+    """Several Trainer cells (dicts: name, model, gas, samples, average_tokens, lr, and for a user's
+    configuration bs, clip, bf16) in one torchrun job, with or without DeepSpeed (``ds_config``: a user's
+    resolved configuration instead of the scenario's): {cell name: {variant: comparison + rank_status}}."""
     out_dir = Path(out_dir)
     records = launch_cells(TRAINER_GAS, out_dir, cells, nproc=nproc, zero_stage=zero_stage, lr=lr,
-                           zerofix=zerofix, env=env, python=python, timeout=timeout)
+                           zerofix=zerofix, env=env, python=python, timeout=timeout, ds_config=ds_config)
     results = {}
     for cell in cells:
         cell_records = [r for r in records if r["cell_dir"] == cell["name"]]
-        loss_mode = LOSS_MODE[cell["model"]]
+        loss_mode = loss_mode_of(cell["model"])
         if loss_mode == "token-mean" and not cell.get("average_tokens", True):
             loss_mode = "rank-token-mean"  # each rank normalises by its own tokens, then ranks are averaged
         results[cell["name"]] = compare_variants(out_dir / cell["name"], cell_records, model=cell["model"],
-                                                 nproc=nproc, lr=cell.get("lr", lr), loss_mode=loss_mode)
+                                                 nproc=nproc, lr=cell.get("lr", lr), loss_mode=loss_mode,
+                                                 clip=cell.get("clip", 0.0))
     return results
 
 
@@ -45,25 +53,27 @@ ACCELERATE_LOOP = "zerofix.check.scenarios.accelerate_loop"
 
 
 def accelerate_cells(out_dir, cells, *, nproc: int = 1, zero_stage: int | None = None, lr: float = 5.0,
-                     zerofix: str = "both", env=None, python: str = sys.executable, timeout: float = 900) -> dict:
+                     zerofix: str = "both", env=None, python: str = sys.executable, timeout: float = 900,
+                     ds_config: dict | None = None) -> dict:
     """Plain ``accelerator.accumulate`` loops (dicts: name, model, gas, samples) in one torchrun job:
     {cell name: {variant: comparison + rank_status + left_over}}. The loss meant is the mean of the
     micro-batch means of a window (each micro-batch's loss is its own mean, accelerate divides)."""
     out_dir = Path(out_dir)
     records = launch_cells(ACCELERATE_LOOP, out_dir, cells, nproc=nproc, zero_stage=zero_stage, lr=lr,
-                           zerofix=zerofix, env=env, python=python, timeout=timeout)
+                           zerofix=zerofix, env=env, python=python, timeout=timeout, ds_config=ds_config)
     results = {}
     for cell in cells:
         cell_records = [r for r in records if r["cell_dir"] == cell["name"]]
         results[cell["name"]] = compare_variants(out_dir / cell["name"], cell_records, model=cell["model"],
-                                                 nproc=nproc, lr=lr, loss_mode="batch-mean")
+                                                 nproc=nproc, lr=lr, loss_mode="batch-mean",
+                                                 clip=cell.get("clip", 0.0))
         for variant, result in results[cell["name"]].items():
             result["left_over"] = sum(len(r["left_over"]) for r in cell_records if r["variant"] == variant)
     return results
 
 
 def launch_cells(module: str, out_dir: Path, cells, *, nproc, zero_stage, lr, zerofix, env, python,
-                 timeout) -> list[dict]:
+                 timeout, ds_config=None) -> list[dict]:
     """One torchrun job running every cell of ``cells`` (written to ``cells.json``) per variant."""
     import json
 
@@ -73,15 +83,18 @@ def launch_cells(module: str, out_dir: Path, cells, *, nproc, zero_stage, lr, ze
     args = ["--cells", str(cells_file), "--lr", str(lr), "--zerofix", zerofix]
     if zero_stage is not None:
         args += ["--zero-stage", str(zero_stage)]
+    if ds_config is not None:
+        (out_dir / "ds_config.json").write_text(json.dumps(ds_config))
+        args += ["--ds-config", str(out_dir / "ds_config.json")]
     return launch.torchrun(module, args, nproc=nproc, out_dir=out_dir, env=env, python=python, timeout=timeout)
 
 
 def compare_variants(out_dir: Path, records: list[dict], *, model: str, nproc: int, lr: float,
-                     loss_mode: str | None = None, also_last: bool = False) -> dict:
+                     loss_mode: str | None = None, also_last: bool = False, clip: float = 0.0) -> dict:
     import torch
 
     init = torch.load(out_dir / "init.pt")
-    loss_mode = loss_mode or LOSS_MODE[model]
+    loss_mode = loss_mode or loss_mode_of(model)
     results = {}
     for variant in sorted({r["variant"] for r in records}):
         ranks = sorted((r for r in records if r["variant"] == variant), key=lambda r: r["rank"])
@@ -96,13 +109,14 @@ def compare_variants(out_dir: Path, records: list[dict], *, model: str, nproc: i
             starts = [init] + [torch.load(p) for p in snapshots[:-1]]
             per_window = [
                 reference.compare(start, torch.load(end), reference.reference_state(
-                    model, start, [window], loss_mode=loss_mode, optimizer_factory=reference.sgd(lr), ranks=nproc))
+                    model, start, [window], loss_mode=loss_mode, optimizer_factory=reference.sgd(lr), ranks=nproc,
+                    clip=clip))
                 for start, end, window in zip(starts, snapshots, windows, strict=True)]
             comparison = dict(max(per_window, key=lambda c: c["rel_err"]))
             comparison["per_window"] = per_window
         else:
             ref = reference.reference_state(model, init, windows, loss_mode=loss_mode,
-                                            optimizer_factory=reference.sgd(lr), ranks=nproc)
+                                            optimizer_factory=reference.sgd(lr), ranks=nproc, clip=clip)
             comparison = reference.compare(init, final, ref)
         if also_last:
             last = reference.reference_state(model, init, windows, loss_mode=loss_mode,
@@ -118,7 +132,7 @@ DS_ACCUMULATION = "zerofix.check.scenarios.ds_accumulation"
 
 
 def ds_accumulation(out_dir, cells, *, nproc: int = 2, variants=("unpatched", "patched"), fixes=None, env=None,
-                    python: str = sys.executable, timeout: float = 900) -> dict:
+                    python: str = sys.executable, timeout: float = 900, base_config: dict | None = None) -> dict:
     """Run the raw DeepSpeed loops; {variant: {cell name: {"snapshots", "norms" (per rank), "runtime"}}}
     plus "init" (initial weights) and "world"."""
     import json
@@ -132,6 +146,9 @@ def ds_accumulation(out_dir, cells, *, nproc: int = 2, variants=("unpatched", "p
     args = ["--cells", str(cells_file), "--variants", ",".join(variants)]
     if fixes is not None:
         args += ["--fixes", ",".join(fixes)]
+    if base_config is not None:
+        (out_dir / "base_config.json").write_text(json.dumps(base_config))
+        args += ["--base-config", str(out_dir / "base_config.json")]
     records = launch.torchrun(DS_ACCUMULATION, args, nproc=nproc, out_dir=out_dir, env=env, python=python,
                               timeout=timeout)
     if len(records) != nproc:

@@ -74,22 +74,66 @@ SCENARIOS: tuple[Scenario, ...] = (
 NAMES = tuple(s.name for s in SCENARIOS)
 
 
+# ``zerofix check --deepspeed FILE``: the scenarios that concern a user's configuration, trained with it
+# (zerofix.check.userconfig resolves it; zerofix.check.jobs' your_* runners run them).
+USER_JOBS = {job.name: job for job in (
+    Job("your-trainer", ("transformers", "accelerate", "deepspeed")),
+    Job("your-accelerate", ("transformers", "accelerate", "deepspeed")),
+    Job("your-deepspeed", ("deepspeed",)),
+    Job("your-zero3-loss", ("deepspeed",)),
+)}
+BF16_TOLERANCE = 16 * 2.0 ** -8  # zerofix.check.accumulation.BF16_BOUND: 16 bf16 rounding units
+
+
+def user_scenarios(cfg, *, model_name: str | None = None, tied: bool = False) -> list[Scenario]:
+    """The rows for a user's configuration ``cfg`` (a zerofix.check.userconfig.UserConfig). ``model_name``:
+    the class of ``--model``'s tiny model (the Trainer and accelerate rows train it; without it, a tiny Llama
+    and, for the Trainer, a custom module without loss kwargs); ``tied``: whether its head is tied."""
+    tolerance = BF16_TOLERANCE if cfg.dtype == "bf16" else None
+    lm = model_name or "tiny Llama"
+    manual = cfg.gas if cfg.gas > 1 else 4
+    offload = ("deepspeed-offload-accumulator",) if cfg.offload == "cpu" else ()
+    rows = [Scenario("trainer-causal-lm", "your-trainer", f"Trainer, your config, {lm}", TRAINER_DS_FIXES + offload,
+                     tolerance=tolerance)]
+    if model_name is None:
+        rows.append(Scenario("trainer-custom", "your-trainer", "Trainer, your config, custom module without loss kwargs",
+                             TRAINER_DS_FIXES + offload, tolerance=tolerance))
+    rows += [
+        Scenario("accelerate-causal-lm", "your-accelerate", f"Accelerate accumulate(), your config, {lm}",
+                 ("deepspeed-zero12-accumulator", "deepspeed-output-hook-division", "accelerate-deepspeed-no-sync")
+                 + offload, tolerance=tolerance),
+        Scenario("deepspeed-manual", "your-deepspeed", f"raw engine, your config with GAS=1, {manual} x backward then "
+                 "step()", DS_MANUAL_FIXES, tolerance=tolerance),
+        Scenario("deepspeed-own", "your-deepspeed", f"raw engine, your config (GAS={cfg.gas}), backward + step() per "
+                 "micro-batch", DS_OWN_FIXES + offload, tolerance=tolerance),
+    ]
+    if cfg.stage == 3:
+        rows += [Scenario(f"zero3-loss-{where}", "your-zero3-loss", f"zerofix.chunked_cross_entropy, "
+                          f"{'tied' if tied else 'untied'} ZeRO-3 head, {where} engine.forward", patchable=False)
+                 for where in ("inside", "outside")]
+    return rows
+
+
 class UsageError(ValueError):
     pass
 
 
-def select(*, only=None, skip=None, quick: bool = False) -> list[Scenario]:
-    """The scenarios to run. ``only`` / ``skip``: names or shell patterns (``deepspeed-*``); every pattern
-    must match a scenario. ``only`` picks from every scenario; otherwise ``quick`` picks its small set."""
+def select(*, only=None, skip=None, quick: bool = False, rows=None) -> list[Scenario]:
+    """The scenarios to run, from ``rows`` (default: the built-in SCENARIOS). ``only`` / ``skip``: names or
+    shell patterns (``deepspeed-*``); every pattern must match a scenario. ``only`` picks from every scenario;
+    otherwise ``quick`` picks its small set."""
+    rows = SCENARIOS if rows is None else rows
+    names = [s.name for s in rows]
+
     def matching(patterns):
         picked = set()
         for pattern in patterns:
-            hits = fnmatch.filter(NAMES, pattern)
+            hits = fnmatch.filter(names, pattern)
             if not hits:
-                raise UsageError(f"no scenario matches {pattern!r}; the scenarios are: {', '.join(NAMES)}")
+                raise UsageError(f"no scenario matches {pattern!r}; the scenarios are: {', '.join(names)}")
             picked.update(hits)
         return picked
 
-    chosen = matching(only) if only else {s.name for s in SCENARIOS if s.quick or not quick}
+    chosen = matching(only) if only else {s.name for s in rows if s.quick or not quick}
     chosen -= matching(skip or ())
-    return [s for s in SCENARIOS if s.name in chosen]
+    return [s for s in rows if s.name in chosen]

@@ -17,14 +17,16 @@ LOSS_MODES = ("token-mean", "rank-token-mean", "batch-mean")
 
 
 def reference_state(kind: str, init_state: dict, windows, *, loss_mode: str, optimizer_factory,
-                    seed: int = 0, last_of_each: int = 0, ranks: int = 1) -> dict:
+                    seed: int = 0, last_of_each: int = 0, ranks: int = 1, clip: float = 0.0) -> dict:
     """Parameters after one optimizer step per window.
 
     ``windows``: one entry per optimizer step, each a list of micro-batches (lists of sample indices)
     from every rank. ``optimizer_factory(params)`` builds the same optimizer the run used.
     ``last_of_each=R``: what a run that keeps only each rank's last micro-batch of a window computes
     (the window split into R equal rank slices; the normalisation still counts the whole window).
-    ``ranks``: how many equal rank slices a window holds (``rank-token-mean`` only).
+    ``ranks``: how many equal rank slices a window holds (``rank-token-mean`` only). ``clip``: the window's
+    gradient is clipped to this global norm, ``g * clip / (norm + 1e-6)`` when that factor is below 1 (torch's
+    clip_grad_norm_ and DeepSpeed alike).
     """
     if loss_mode not in LOSS_MODES:
         raise ValueError(f"loss_mode must be one of {LOSS_MODES}")
@@ -35,6 +37,8 @@ def reference_state(kind: str, init_state: dict, windows, *, loss_mode: str, opt
     for window in windows:
         optimizer.zero_grad(set_to_none=True)
         _objective(model, window, loss_mode, last_of_each=last_of_each, ranks=ranks, seed=seed).backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

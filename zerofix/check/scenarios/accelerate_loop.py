@@ -23,6 +23,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--cells", required=True, help="JSON file: a list of {name, model, gas, samples[, epochs, lr]}")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None)
+    p.add_argument("--ds-config", default=None, help="JSON file: a user's resolved DeepSpeed configuration "
+                   "(zerofix check --deepspeed), used instead of the scenario's; needs --zero-stage")
     p.add_argument("--lr", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--zerofix", choices=("off", "on", "both"), default="both")
@@ -30,9 +32,12 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def deepspeed_plugin(stage: int, gas: int):
+def deepspeed_plugin(stage: int, gas: int, user: dict | None = None):
     from accelerate.utils import DeepSpeedPlugin
 
+    if user is not None:
+        return DeepSpeedPlugin(hf_ds_config={**user, "train_micro_batch_size_per_gpu": BATCH,
+                                             "gradient_accumulation_steps": gas})
     return DeepSpeedPlugin(hf_ds_config={
         "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": gas,
         "gradient_clipping": 0.0,  # DeepSpeed >= 0.19 would default to 1.0
@@ -56,7 +61,10 @@ def train(args, cell: dict, variant: str, out: Path, world: int, rank: int) -> N
         torch.save(model.state_dict(), out / "init.pt")
     kwargs = {"gradient_accumulation_steps": cell["gas"]}
     if args.zero_stage is not None:
-        kwargs["deepspeed_plugin"] = deepspeed_plugin(args.zero_stage, cell["gas"])
+        user = json.loads(Path(args.ds_config).read_text()) if args.ds_config else None
+        kwargs["deepspeed_plugin"] = deepspeed_plugin(args.zero_stage, cell["gas"], user)
+        if user is not None and user.get("bf16", {}).get("enabled"):
+            kwargs["mixed_precision"] = "bf16"
     # cpu=True without DeepSpeed: accelerate 1.15 otherwise sees no distributed setup on CPU (DistributedType.NO,
     # each rank applying its own gradient); with DeepSpeed it must stay False, as it turns DeepSpeed off.
     accelerator = Accelerator(cpu=args.zero_stage is None, **kwargs)

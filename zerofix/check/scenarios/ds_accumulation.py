@@ -26,7 +26,12 @@ from zerofix.check import accumulation, models, reference
 FIX = "deepspeed-manual-accumulation"  # the fix whose per-engine runtime the results carry
 
 
-def ds_config(cell: accumulation.Cell) -> dict:
+def ds_config(cell: accumulation.Cell, base: dict | None = None) -> dict:
+    """The cell's DeepSpeed configuration; ``base``: a user's resolved configuration (``zerofix check
+    --deepspeed``), of which the cell sets only the micro-batch, the config GAS and the clipping."""
+    if base is not None:
+        return {**base, "train_micro_batch_size_per_gpu": accumulation.MICRO_BATCH,
+                "gradient_accumulation_steps": cell.gas, "gradient_clipping": cell.clip}
     return {
         "train_micro_batch_size_per_gpu": accumulation.MICRO_BATCH,
         "gradient_accumulation_steps": cell.gas,
@@ -47,6 +52,9 @@ def ds_config(cell: accumulation.Cell) -> dict:
     }
 
 
+BASE_CONFIG: dict | None = None  # --base-config: a user's configuration every cell starts from
+
+
 def build_engine(cell, init_state):
     import deepspeed
 
@@ -54,7 +62,7 @@ def build_engine(cell, init_state):
     model = models.build_model("custom", seed=1, loss_only=not cell.logits)
     model.load_state_dict(init_state)
     optimizer = reference.OPTIMIZERS[cell.optimizer](model.parameters())
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(cell))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(cell, BASE_CONFIG))
     return engine
 
 
@@ -275,8 +283,12 @@ def main() -> None:
                         help="unpatched, patched, repatched (patch, unpatch, patch) and/or env")
     parser.add_argument("--fixes", default=None, help="comma-separated fix ids the patched variant enables "
                         "(default: every DeepSpeed fix of the catalogue)")
+    parser.add_argument("--base-config", default=None, help="JSON file: the DeepSpeed configuration every cell "
+                        "starts from (zerofix check --deepspeed)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    global BASE_CONFIG
+    BASE_CONFIG = json.loads(Path(args.base_config).read_text()) if args.base_config else None
     count_collectives()
     import deepspeed
     import torch.distributed as dist

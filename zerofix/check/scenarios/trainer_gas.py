@@ -18,7 +18,7 @@ from pathlib import Path
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--model", choices=("causal-lm", "custom"), default="causal-lm")
+    p.add_argument("--model", default="causal-lm", help="causal-lm, custom, or hf:<shrunk config file>")
     p.add_argument("--gas", type=int, default=8)
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--bs", type=int, default=2)
@@ -33,6 +33,10 @@ def parse_args(argv=None):
     p.add_argument("--no-average-tokens", action="store_true")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                    help="train through DeepSpeed with this ZeRO stage (default: no DeepSpeed)")
+    p.add_argument("--ds-config", default=None, help="JSON file: a user's resolved DeepSpeed configuration, used "
+                   "instead of the scenario's (zerofix check --deepspeed); needs --zero-stage")
+    p.add_argument("--max-grad-norm", type=float, default=0.0)
+    p.add_argument("--bf16", action="store_true")
     p.add_argument("--cells", default=None,
                    help="JSON file: a list of cells, each {name, model, gas, samples, epochs, average_tokens, lr}; "
                    "every cell is trained per variant in this one job (results under <out>/<name>/)")
@@ -48,6 +52,9 @@ def cell_args(args, cell: dict):
     cell_args.epochs = cell.get("epochs", 1)
     cell_args.no_average_tokens = not cell.get("average_tokens", True)
     cell_args.lr = cell.get("lr", args.lr)
+    cell_args.bs = cell.get("bs", args.bs)
+    cell_args.max_grad_norm = cell.get("clip", args.max_grad_norm)
+    cell_args.bf16 = cell.get("bf16", args.bf16)
     return cell_args
 
 
@@ -59,6 +66,11 @@ def deepspeed_config(stage: int) -> dict:
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
     }
+
+
+def user_config(args) -> dict | None:
+    """A user's resolved DeepSpeed configuration (``--ds-config``), or None."""
+    return json.loads(Path(args.ds_config).read_text()) if args.ds_config else None
 
 
 def step_without_grad_mode() -> None:
@@ -123,12 +135,13 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         output_dir=tempfile.mkdtemp(prefix="zerofix-trainer-"), per_device_train_batch_size=args.bs,
         gradient_accumulation_steps=args.gas, max_steps=args.steps if not args.samples else -1,
         num_train_epochs=args.epochs, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, max_grad_norm=0.0, optim="sgd", report_to="none", save_strategy="no",
+        weight_decay=0.0, max_grad_norm=args.max_grad_norm, bf16=args.bf16, optim="sgd", report_to="none",
+        save_strategy="no",
         logging_strategy="no", use_cpu=True, seed=args.seed, dataloader_num_workers=0,
         remove_unused_columns=False, disable_tqdm=True,
         average_tokens_across_devices=not args.no_average_tokens,
         **({"ddp_backend": "gloo"} if world > 1 else {}),
-        **({"deepspeed": deepspeed_config(args.zero_stage)} if args.zero_stage is not None else {}),
+        **({"deepspeed": user_config(args) or deepspeed_config(args.zero_stage)} if args.zero_stage is not None else {}),
     )
     vdir = out / variant
     vdir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,147 @@
+"""``zerofix check --model PATH``: a tiny, randomly initialised model of the *same architecture class* as the
+user's (same ``model_type``, same causal-LM class, same tied or untied head, so the same loss signature), built
+from a local Hugging Face config or model directory with every size shrunk. Nothing is downloaded and no
+weight is read: only ``config.json``.
+
+The shrunk config is written to a JSON file; the check's scenarios and its reference build the model from it
+(``zerofix.check.models.build_model("hf:<file>")``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from zerofix.check.userconfig import HIDDEN, ConfigError
+
+VOCAB = 64  # zerofix.check.models.VOCAB: the samples' token ids are below it
+# Sizes, by every name the architectures in transformers use for them
+SHRINK = {
+    ("hidden_size", "n_embd", "d_model"): HIDDEN,
+    ("intermediate_size", "n_inner", "ffn_dim"): 2 * HIDDEN,
+    ("num_hidden_layers", "n_layer", "num_layers"): 2,
+    ("num_attention_heads", "n_head"): 4,
+    ("num_key_value_heads",): 2,
+    ("head_dim",): HIDDEN // 4,
+    ("vocab_size",): VOCAB,
+    ("max_position_embeddings", "n_positions", "n_ctx"): 64,
+    ("moe_intermediate_size", "shared_expert_intermediate_size"): HIDDEN,
+    ("num_experts", "num_local_experts", "n_routed_experts"): 4,
+    ("num_experts_per_tok",): 2,
+}
+SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+DROPPED = ("quantization_config", "torch_dtype", "dtype", "_name_or_path", "auto_map", "transformers_version")
+
+
+def config_file(path) -> Path:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"--model {path}: no such file; give a model directory with a config.json, or the config "
+                          "file itself (nothing is downloaded)")
+    return path
+
+
+def shrink(path) -> dict:
+    """The user's config with every size shrunk (sizes as in ``SHRINK``), its special tokens inside the tiny
+    vocabulary, dropout off, eager attention, float32. Raises ConfigError for a config that is not a causal LM's."""
+    source = config_file(path)
+    try:
+        config = json.loads(source.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--model {source}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ConfigError(f"--model {source}: no model_type; give a Hugging Face model's config.json")
+    if isinstance(config.get("text_config"), dict):
+        raise ConfigError(f"--model {source}: a composite model ({config['model_type']}, with a text_config); "
+                          "zerofix check builds causal LMs: give the config of the language model")
+    shrunk = {k: v for k, v in config.items() if k not in DROPPED}
+    for names, value in SHRINK.items():
+        for name in names:
+            if name in shrunk and shrunk[name] is not None:
+                shrunk[name] = value
+    layers = shrunk.get("num_hidden_layers", shrunk.get("n_layer", 2))
+    if isinstance(shrunk.get("layer_types"), list):  # per-layer attention kinds (Qwen2, Gemma, ...)
+        shrunk["layer_types"] = shrunk["layer_types"][:layers]
+    for name, value in SPECIAL_TOKENS.items():
+        if name in shrunk:
+            shrunk[name] = value
+    for name, value in list(shrunk.items()):
+        # dropout off: the reference repeats the run's function in another process, without its random masks
+        if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+            shrunk[name] = 0.0
+    shrunk["attn_implementation"] = "eager"
+    shrunk["_zerofix_source"] = str(source)
+    return shrunk
+
+
+def architecture(config: dict):
+    """The causal-LM class the config names (``architectures``), or transformers' causal-LM class for its
+    ``model_type`` when it names none. Raises ConfigError when the class is not a causal LM transformers has."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config["model_type"]
+    try:
+        AutoConfig.for_model(model_type)
+    except (ValueError, KeyError):
+        raise ConfigError(f"--model: model_type {model_type!r} is unknown to transformers {transformers.__version__}; "
+                          "install a transformers release that has it") from None
+    causal = set()
+    for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        causal.update([names] if isinstance(names, str) else names)
+    named = list(config.get("architectures") or ())
+    if not named:
+        default = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+        named = [default] if isinstance(default, str) else list(default or ())
+    for name in named:
+        if name in causal and getattr(transformers, name, None) is not None:
+            return getattr(transformers, name)
+    raise ConfigError(f"--model: {', '.join(named) or model_type} is not a causal language model transformers "
+                      f"{transformers.__version__} can build (AutoModelForCausalLM has no such class); zerofix check "
+                      "trains causal LMs")
+
+
+def build(config: dict, seed: int = 0):
+    """A randomly initialised model of the config's class (float32)."""
+    import torch
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config.items() if not k.startswith("_zerofix")}
+    cls = architecture(fields)
+    model_type = fields.pop("model_type")
+    defaults = AutoConfig.for_model(model_type).to_dict()
+    for names, value in SHRINK.items():  # sizes the user's file leaves to the class's defaults (GPT-2's 1024 positions)
+        for name in names:
+            if name not in fields and defaults.get(name) is not None:
+                fields[name] = value
+    for name, value in SPECIAL_TOKENS.items():  # GPT-2's default eos 50256 is outside the tiny vocabulary
+        if name not in fields and isinstance(defaults.get(name), int) and defaults[name] >= VOCAB:
+            fields[name] = value
+    torch.manual_seed(seed)
+    hf_config = AutoConfig.for_model(model_type, **fields)
+    for name, value in hf_config.to_dict().items():  # the class's defaults too (GPT-2: resid_pdrop=0.1)
+        if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+            setattr(hf_config, name, 0.0)
+    return cls(hf_config).float()
+
+
+def prepare(path, out_dir: Path) -> tuple[str, dict]:
+    """Shrink the config, build the tiny model once (a config that cannot be built is a usage error now, not
+    a failed row later), write the shrunk config; return (model kind "hf:<file>", a description)."""
+    config = shrink(path)
+    try:
+        model = build(config)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure of the class's own __init__ is the user's answer
+        raise ConfigError(f"--model {path}: a tiny {config['model_type']} could not be built "
+                          f"({type(exc).__name__}: {exc})") from None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    file = out_dir / "tiny-model-config.json"
+    file.write_text(json.dumps(config, indent=1))
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    described = {"class": type(model).__name__, "model_type": config["model_type"], "tied_head": tied,
+                 "parameters": sum(p.numel() for p in model.parameters()), "source": config["_zerofix_source"]}
+    return f"hf:{file}", described

@@ -1,0 +1,145 @@
+"""zerofix visible in a Trainer run: while zerofix is patched, every ``transformers.Trainer`` gets a
+``ZerofixCallback`` (through ``transformers.trainer.DEFAULT_CALLBACKS``, the list the Trainer starts its
+callbacks from, so it reaches Trainers built by TRL and by user code alike). On the main process only, and
+through transformers' logger (so ``log_level`` / ``log_level_replica`` and the run's log handlers apply):
+
+- at the start of training, once: which fixes are applied in this run, on which releases;
+- after the first optimizer step, once per DeepSpeed engine: whether zerofix's accumulation fix took it over,
+  and why;
+- at the end: every warning zerofix's wrappers issued (a window shorter than the config's GAS, a checkpoint
+  in the middle of a window), each once (the wrappers themselves already warned when it happened).
+
+The callback only reads zerofix's status: it changes no control flag, metric or log entry of the run. Users
+who call ``zerofix.patch()`` after building their Trainer add it themselves:
+``from zerofix.trainer_report import callback; trainer.add_callback(callback())``.
+
+Importing this module imports nothing; transformers is imported when a Trainer module is.
+"""
+from __future__ import annotations
+
+_TRAINER_MODULE = "transformers.trainer"
+_class = None  # ZerofixCallback, built on first use (it subclasses transformers' TrainerCallback)
+_registered = False
+_status = None  # zerofix.patching.status, handed over by register() (this module imports no zerofix module)
+
+
+def callback():
+    """A new ZerofixCallback instance."""
+    return callback_class()()
+
+
+def callback_class():
+    global _class
+    if _class is None:
+        _class = _build_class()
+    return _class
+
+
+def register(status) -> None:
+    """Add the callback to every Trainer built from now on (now if transformers.trainer is imported, else when
+    it is). ``status``: the function that returns zerofix's status records. Idempotent."""
+    global _registered, _status
+    _status = status
+    if _registered:
+        return
+    _registered = True
+    from zerofix import importhooks
+
+    importhooks.when_imported(_TRAINER_MODULE, _add)
+
+
+def unregister() -> None:
+    """Trainers built from now on get no callback (DEFAULT_CALLBACKS as transformers defined it)."""
+    global _registered
+    _registered = False
+    import sys
+
+    module = sys.modules.get(_TRAINER_MODULE)
+    defaults = getattr(module, "DEFAULT_CALLBACKS", None)
+    if isinstance(defaults, list) and _class is not None and _class in defaults:
+        defaults.remove(_class)
+
+
+def _add(module) -> None:
+    if not _registered:  # unregistered before transformers.trainer was imported
+        return
+    defaults = getattr(module, "DEFAULT_CALLBACKS", None)
+    if isinstance(defaults, list) and callback_class() not in defaults:
+        defaults.append(callback_class())
+
+
+def summary_lines(records) -> list[str]:
+    """What zerofix does in this process, from ``_records()`` records (pure: unit-tested)."""
+    if not records:
+        return ["zerofix is not patched in this process (ZEROFIX=1 or zerofix.patch()): it changes nothing here"]
+    applied = [r for r in records if r.state == "applied"]
+    if not applied:
+        return ["zerofix is active; no fix applies to the installed releases, so it changes nothing in this run"]
+    names = ", ".join(f"{r.id} ({r.dist} {r.installed})" for r in applied)
+    return [f"zerofix: {len(applied)} fix{'es' if len(applied) > 1 else ''} applied in this run: {names}"]
+
+
+def engine_lines(records, seen: set) -> list[str]:
+    """One line per DeepSpeed engine not reported yet (``seen`` holds the reported ones and is updated)."""
+    lines = []
+    for record in records:
+        for engine in record.runtime or ():
+            key = (record.id, engine.get("engine"))
+            if "engine" not in engine or key in seen:
+                continue
+            seen.add(key)
+            taken = "takes over its accumulation boundaries" if engine.get("active") else "leaves it to DeepSpeed"
+            lines.append(f"zerofix: {record.id} {taken} on the DeepSpeed engine {engine['engine']} "
+                         f"(ZeRO-{engine.get('zero_stage')}): {engine.get('why')}")
+    return lines
+
+
+def warning_lines(records, seen: set) -> list[str]:
+    lines = []
+    for record in records:
+        for engine in record.runtime or ():
+            for key in engine.get("warnings") or ():
+                if (record.id, key) not in seen:
+                    seen.add((record.id, key))
+                    lines.append(f"zerofix: {record.id} warned during training: {key} (the warning above says more)")
+    return lines
+
+
+def _records():
+    return [] if _status is None else _status()  # None: zerofix.patch() never ran in this process
+
+
+def _build_class():
+    from transformers import TrainerCallback
+    from transformers.utils import logging
+
+    logger = logging.get_logger("transformers.zerofix")
+
+    class ZerofixCallback(TrainerCallback):
+        """Logs, once and on the main process, what zerofix does in this Trainer run (see
+        ``zerofix.trainer_report``). Reads only; returns no control changes."""
+
+        def __init__(self):
+            self._started = False
+            self._engines: set = set()
+            self._warnings: set = set()
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if state.is_world_process_zero and not self._started:
+                self._started = True
+                for line in summary_lines(_records()):
+                    logger.warning(line)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                for line in engine_lines(_records(), self._engines):
+                    logger.warning(line)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                records = _records()
+                for line in engine_lines(records, self._engines) + warning_lines(records, self._warnings):
+                    logger.warning(line)
+
+    ZerofixCallback.__module__ = __name__
+    return ZerofixCallback
