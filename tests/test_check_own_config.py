@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from zerofix import cli
+from test_check import run_cli  # noqa: I001 - tests/ is on the path (conftest), as test_check imports conftest
 from zerofix.check import command, launch, plan, userconfig
 
 # A user-style ZeRO-2 configuration: what the Hugging Face docs' examples look like.
@@ -103,13 +103,6 @@ def test_offload_and_what_cpu_cannot_reproduce(tmp_path):
 def test_bad_configurations_name_the_fix(tmp_path, config, kwargs, message):
     with pytest.raises(userconfig.ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
         userconfig.load(write(tmp_path, "ds.json", config), nproc=2, **kwargs)
-
-
-def run_cli(*argv) -> int:
-    try:
-        return cli.main(["check", *argv])
-    except SystemExit as exc:
-        return exc.code
 
 
 @pytest.mark.parametrize("argv, message", [
