@@ -121,6 +121,7 @@ def _build_class():
 
         def __init__(self):
             self._started = False
+            self._stepped = False
             self._engines: set = set()
             self._warnings: set = set()
 
@@ -131,7 +132,9 @@ def _build_class():
                     logger.warning(line)
 
         def on_step_end(self, args, state, control, **kwargs):
-            if state.is_world_process_zero:
+            # after the first optimizer step only: the engines exist and the DeepSpeed fix has decided
+            if state.is_world_process_zero and not self._stepped:
+                self._stepped = True
                 for line in engine_lines(_records(), self._engines):
                     logger.warning(line)
 
