@@ -241,11 +241,11 @@ def test_preflight_names_a_missing_compiler(monkeypatch):
     rows = plan.select(only=["deepspeed-zero2-manual"])
     found = {"torch": "2.13.0", "deepspeed": "0.19.8"}
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    line = command.preflight(found, rows, plan.JOBS)
+    line = command.preflight(found, rows)
     assert line.startswith("pre-flight: no C++ compiler ($CXX=/nonexistent/c++ not found)")
     monkeypatch.delenv("CXX")
     monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
-    assert command.preflight(found, rows, plan.JOBS) == "pre-flight: ok (C++ compiler /usr/bin/c++)"
+    assert command.preflight(found, rows) == "pre-flight: ok (C++ compiler /usr/bin/c++)"
 
 
 def test_advice_names_the_fixes_and_their_upstream_releases():

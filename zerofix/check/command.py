@@ -10,7 +10,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from zerofix.check import plan, verdict
+from zerofix.check import plan, userconfig, verdict
 from zerofix.versions import installed_version, version_in_range
 
 DISTS = ("torch", "transformers", "accelerate", "deepspeed", "trl")
@@ -79,7 +79,7 @@ def main(args, parser) -> int:
         user = _user_setup(args, nproc, workdir) if args.deepspeed else None
         rows = plan.select(only=_names(args.only), skip=_names(args.skip), quick=args.quick,
                            rows=user["rows"] if user else None)
-    except (plan.UsageError, _user_errors()) as exc:
+    except (plan.UsageError, userconfig.ConfigError) as exc:
         _remove(workdir, args)
         parser.error(str(exc))
     if not rows:
@@ -99,7 +99,7 @@ def main(args, parser) -> int:
     print(header(found, nproc), flush=True)
     if user:
         print(user_header(user), flush=True)
-    print(preflight(found, rows, plan.USER_JOBS if user else plan.JOBS), flush=True)
+    print(preflight(found, rows), flush=True)
     workdir.mkdir(parents=True, exist_ok=True)
     try:
         results = run_rows(rows, nproc, workdir, args.timeout, found, user=user)
@@ -141,17 +141,9 @@ def _remove(workdir: Path, args) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _user_errors():
-    from zerofix.check.userconfig import ConfigError
-
-    return ConfigError
-
-
 def _user_setup(args, nproc: int, workdir: Path) -> dict:
     """Resolve ``--deepspeed`` (and ``--trainer-args``, ``--model``): the configuration, the model the rows
     train, and the rows. Raises userconfig.ConfigError for anything unusable."""
-    from zerofix.check import userconfig
-
     cfg = userconfig.load(args.deepspeed, gas=args.gas, nproc=nproc, bf16=args.bf16, fp16=args.fp16,
                           trainer_args=args.trainer_args)
     described, model, tied = None, "causal-lm", False
@@ -188,12 +180,12 @@ def user_header(user: dict) -> str:
     return "\n".join(lines)
 
 
-def preflight(found: dict, rows, jobs: dict) -> str:
+def preflight(found: dict, rows) -> str:
     """One line: the prerequisites the selected scenarios need that are missing (torch for every one; a C++
     compiler for DeepSpeed, which builds its CPU communication op on first use), or that all are there."""
     import shutil
 
-    needs_deepspeed = any("deepspeed" in jobs[r.job].requires for r in rows)
+    needs_deepspeed = any("deepspeed" in plan.job(r.job).requires for r in rows)
     problems, present = [], []
     if not found.get("torch"):
         problems.append("torch is not installed: every scenario is skipped (pip install torch; see the README's "
@@ -280,14 +272,13 @@ def run_rows(rows, nproc: int, workdir: Path, timeout: float, found: dict, user:
         by_job.setdefault(row.job, []).append(row)
     results = {}
     runnable = []
-    jobs_by_name = plan.USER_JOBS if user else plan.JOBS
     for name, job_rows in by_job.items():
-        reason = skip_reason(jobs_by_name[name], nproc, found, user["config"].unreproducible if user else ())
+        reason = skip_reason(plan.job(name), nproc, found, user["config"].unreproducible if user else ())
         for row in job_rows:
             if reason:
                 results[row.name] = _result(row, status="skipped", text=f"skipped: {reason}")
         if not reason:
-            runnable.append((jobs_by_name[name], job_rows))
+            runnable.append((plan.job(name), job_rows))
     if runnable:  # torch is installed: the jobs can be imported
         _run_jobs(runnable, nproc, workdir, timeout, found, user, results)
     return [results[row.name] for row in rows]

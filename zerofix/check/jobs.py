@@ -110,6 +110,7 @@ def zero3_loss(job, rows, nproc, out_dir, timeout, *, tied: bool = False):
 
     from zerofix.check.scenarios import zero3_loss as scenario
 
+    # a tied head (GPT-2, Qwen2) has no bias; the built-in rows' untied head has one
     cells = [{"name": r.name, "mode": r.name.rsplit("-", 1)[1], "tied": tied, "bias": not tied, "chunk_size": 3,
               "loss": "zerofix"} for r in rows]
     out_dir = Path(out_dir)
@@ -228,11 +229,11 @@ def your_accelerate(job, rows, nproc, out_dir, timeout, user):
 
 
 def user_ds_cell(name: str, cfg) -> accumulation.Cell:
-    """deepspeed-manual: the loop accumulates GAS micro-batches itself with config GAS=1 (4 when the
-    configuration's GAS is 1); deepspeed-own: backward + step() per micro-batch at the configuration's GAS."""
+    """deepspeed-manual: the loop accumulates ``cfg.manual_length`` micro-batches itself with config GAS=1;
+    deepspeed-own: backward + step() per micro-batch at the configuration's GAS."""
     common = {"grad_clip": cfg.clip, "offload": cfg.offload == "cpu", "dtype": cfg.dtype}
     if name.endswith("-manual"):
-        return accumulation.Cell(cfg.stage, 1, "a", length=cfg.gas if cfg.gas > 1 else 4, **common)
+        return accumulation.Cell(cfg.stage, 1, "a", length=cfg.manual_length, **common)
     return accumulation.Cell(cfg.stage, cfg.gas, "b", length=cfg.gas, **common)
 
 

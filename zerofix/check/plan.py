@@ -6,6 +6,8 @@ from __future__ import annotations
 import fnmatch
 from typing import NamedTuple
 
+from zerofix.check.accumulation import BF16_BOUND
+
 TRAINER_FIXES = ("transformers-accelerate-double-division", "transformers-nokw-undivided")
 TRAINER_DS_FIXES = ("transformers-deepspeed-double-division", "deepspeed-scale-wrt-gas", "deepspeed-zero12-accumulator")
 DS_MANUAL_FIXES = ("deepspeed-manual-accumulation", "deepspeed-zero12-accumulator")
@@ -82,7 +84,12 @@ USER_JOBS = {job.name: job for job in (
     Job("your-deepspeed", ("deepspeed",)),
     Job("your-zero3-loss", ("deepspeed",)),
 )}
-BF16_TOLERANCE = 16 * 2.0 ** -8  # zerofix.check.accumulation.BF16_BOUND: 16 bf16 rounding units
+BF16_TOLERANCE = BF16_BOUND  # 16 bf16 rounding units
+
+
+def job(name: str) -> Job:
+    """A built-in job or a user configuration's job, by name."""
+    return JOBS.get(name) or USER_JOBS[name]
 
 
 def user_scenarios(cfg, *, model_name: str | None = None, tied: bool = False) -> list[Scenario]:
@@ -91,7 +98,6 @@ def user_scenarios(cfg, *, model_name: str | None = None, tied: bool = False) ->
     and, for the Trainer, a custom module without loss kwargs); ``tied``: whether its head is tied."""
     tolerance = BF16_TOLERANCE if cfg.dtype == "bf16" else None
     lm = model_name or "tiny Llama"
-    manual = cfg.gas if cfg.gas > 1 else 4
     offload = ("deepspeed-offload-accumulator",) if cfg.offload == "cpu" else ()
     rows = [Scenario("trainer-causal-lm", "your-trainer", f"Trainer, your config, {lm}", TRAINER_DS_FIXES + offload,
                      tolerance=tolerance)]
@@ -102,7 +108,7 @@ def user_scenarios(cfg, *, model_name: str | None = None, tied: bool = False) ->
         Scenario("accelerate-causal-lm", "your-accelerate", f"Accelerate accumulate(), your config, {lm}",
                  ("deepspeed-zero12-accumulator", "deepspeed-output-hook-division", "accelerate-deepspeed-no-sync")
                  + offload, tolerance=tolerance),
-        Scenario("deepspeed-manual", "your-deepspeed", f"raw engine, your config with GAS=1, {manual} x backward then "
+        Scenario("deepspeed-manual", "your-deepspeed", f"raw engine, your config with GAS=1, {cfg.manual_length} x backward then "
                  "step()", DS_MANUAL_FIXES, tolerance=tolerance),
         Scenario("deepspeed-own", "your-deepspeed", f"raw engine, your config (GAS={cfg.gas}), backward + step() per "
                  "micro-batch", DS_OWN_FIXES + offload, tolerance=tolerance),

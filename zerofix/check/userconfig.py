@@ -46,6 +46,11 @@ class UserConfig(NamedTuple):
     notes: tuple[str, ...]  # what the check changed in the configuration, and why
     unreproducible: tuple[str, ...]  # what a CPU run cannot reproduce: the rows are skipped with this text
 
+    @property
+    def manual_length(self) -> int:
+        """Micro-batches a manual-accumulation loop gathers per step(): the GAS (4 when the GAS is 1)."""
+        return self.gas if self.gas > 1 else 4
+
     def summary(self) -> str:
         parts = [f"ZeRO-{self.stage}", f"GAS {self.gas}", f"micro-batch {self.micro_batch}", self.dtype]
         parts.append(f"clipping {self.clip:g}" if self.clip else "no clipping")
@@ -205,7 +210,3 @@ def _autos(node, prefix: str = ""):
     elif _is_auto(node):
         yield prefix.rstrip(".")
 
-
-def with_gas(ds: dict, gas: int) -> dict:
-    """The configuration with another config GAS (a manual-accumulation loop's config says 1)."""
-    return {**ds, "gradient_accumulation_steps": gas}

@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from zerofix.check.scenarios.trainer_gas import final_weights, step_without_grad_mode
+from zerofix.check.scenarios.trainer_gas import final_weights, step_without_grad_mode, user_config
 
 BATCH = 2
 
@@ -61,7 +61,7 @@ def train(args, cell: dict, variant: str, out: Path, world: int, rank: int) -> N
         torch.save(model.state_dict(), out / "init.pt")
     kwargs = {"gradient_accumulation_steps": cell["gas"]}
     if args.zero_stage is not None:
-        user = json.loads(Path(args.ds_config).read_text()) if args.ds_config else None
+        user = user_config(args)
         kwargs["deepspeed_plugin"] = deepspeed_plugin(args.zero_stage, cell["gas"], user)
         if user is not None and user.get("bf16", {}).get("enabled"):
             kwargs["mixed_precision"] = "bf16"
