@@ -187,12 +187,17 @@ def verdicts(document) -> dict:
 
 MANUAL = "fixed by deepspeed-manual-accumulation"
 HOOK = "fixed by deepspeed-output-hook-division"
+GRPO_ROWS = [n for n in plan.NAMES if n.startswith("trl-grpo-")]
+NO_REQUESTS = {n: "skipped: requests not installed" for n in GRPO_ROWS}  # the GRPO rows: the trl stacks
 EXPECTED = {
     # The default run, every scenario: what the catalogue says each stack does.
     "latest": {**{n: "ok" for n in plan.NAMES},
-               **{f"deepspeed-zero{s}-{o}manual": MANUAL for s in (1, 2) for o in ("", "offload-")}},
+               **{f"deepspeed-zero{s}-{o}manual": MANUAL for s in (1, 2) for o in ("", "offload-")},
+               "trl-sft-uneven-chunks": "skipped: trl 1.16.0 has no _chunked_cross_entropy_loss (1.4.0 - 1.14.x; "
+               "from 1.15.0 chunked_nll is nll)", **NO_REQUESTS},
     "2026-04": {
         **{n: "ok" for n in plan.NAMES},
+        "trl-sft-uneven-chunks": "fixed by trl-chunked-nll-zero3", **NO_REQUESTS,
         **{f"trainer-{w}-{m}": "fixed by transformers-accelerate-double-division"
            for w in ("1proc", "ddp") for m in ("causal-lm", "custom")},
         "accelerate-zero2-causal-lm": HOOK, "accelerate-zero2-custom": HOOK,
@@ -358,7 +363,26 @@ def test_docs_show_the_real_verdicts(stack):
     for line in block.splitlines():
         fields = line.split()
         if fields and fields[0] in plan.NAMES:
-            rows[fields[0]] = " ".join(fields[5:])
+            rest = fields[1:]  # the ratio/cosine columns (a number, "-" or "crash"), then the verdict
+            while rest and rest[0] != "skipped:" and (rest[0] in ("-", "crash") or rest[0].replace(".", "").isdigit()):
+                rest = rest[1:]
+            rows[fields[0]] = " ".join(rest)
     assert rows == EXPECTED[stack]
     pins = stack_pins(stack)
     assert all(f"{d} {pins[d]}" in block for d in ("transformers", "accelerate", "deepspeed", "trl"))
+
+
+@pytest.mark.distributed
+@pytest.mark.stack("trl160")
+def test_trl_rows_on_trl160(tmp_path):
+    """trl 1.6.0: the uneven-chunks row hangs unpatched (bounded, then killed) and is fixed by the per-chunk
+    gather entry; both GRPO rows show GAS/steps_per_generation unpatched and are fixed."""
+    code, document, stdout = zerofix_check(tmp_path, "--only", "trl-sft-uneven-chunks,trl-grpo-*")
+    rows = {r["name"]: r for r in document["scenarios"]}
+    assert code == 0, stdout
+    assert rows["trl-sft-uneven-chunks"]["verdict"] == "fixed by trl-chunked-nll-gather-zero3", stdout
+    assert rows["trl-sft-uneven-chunks"]["unpatched"]["error"].startswith("hung: "), stdout
+    for name, factor in (("trl-grpo-dapo-spg4-gas2", 0.5), ("trl-grpo-dapo-spg2-gas4", 2.0)):
+        assert rows[name]["verdict"] == "fixed by trl-grpo-window-normalisation", stdout
+        assert abs(rows[name]["unpatched"]["ratio"] - factor) < 1e-5 * factor, stdout
+        assert rows[name]["patched"]["rel_err"] < 1e-5, stdout

@@ -1,4 +1,4 @@
-"""trl-chunked-nll-zero3: TRL's chunked_nll under ZeRO-3 on the two paths that crash, real runs.
+"""trl-chunked-nll-zero3 and trl-chunked-nll-gather-zero3: TRL's chunked_nll under ZeRO-3, real runs.
 
 2 ranks, ``accelerate launch`` with a ZeRO-3 config (``zero3_init_flag: true``, every parameter partitioned),
 a tiny Llama saved locally and loaded by ``SFTTrainer`` with ``from_pretrained``, AdamW, 3 steps.
@@ -11,6 +11,15 @@ a tiny Llama saved locally and loaded by ``SFTTrainer`` with ``from_pretrained``
 Unpatched, both crash where measured (so a stack that stops crashing is noticed). Patched, the train
 losses, grad norms and eval losses equal the same run with ``loss_type="nll"`` (full logits). On ``latest``
 (trl 1.16) the entry is not-affected, and R2 written against ``zerofix.chunked_cross_entropy`` equals nll.
+
+trl 1.6.0 - 1.14.2 (stacks trl160, trl1100, trl1142: the ends of the range and one inside) gather the head
+once per chunk. With ``assistant_only_loss=True`` rank 0 counts 8 tokens per step (1 chunk) and rank 1 24 (3):
+- R4, the compute_loss override (the head is not whole there): unpatched the ranks run different numbers of
+  gathers and hang (bounded: three times the patched run's time, then every rank is killed); patched, equal to
+  the full-logits run, with 2 gathers of the head per step on every rank whatever its chunk count.
+- R3, the Trainer's own step: measured on CPU with DeepSpeed 0.18.9 and 0.19.8, the head stays whole through
+  the step, TRL gathers it the same number of times on every rank and nothing hangs; there zerofix must change
+  nothing: unpatched and patched both equal the full-logits run and gather the head as often.
 """
 from __future__ import annotations
 
@@ -19,11 +28,17 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("deepspeed")
 
+import os  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 from zerofix.check import jobs, launch  # noqa: E402
 from zerofix.check.scenarios import trl_sft  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 R1_STACK = "trl151-ds0154"
+GATHER_STACKS = ("trl160", "trl1100", "trl1142")  # trl 1.6.0, 1.10.0, 1.14.2
+GATHER = "trl-chunked-nll-gather-zero3"
 SAME = 1e-5  # relative: float32, chunked sums in another order than the full logits
 
 
@@ -34,12 +49,12 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def sft(tmp_path, model_dir):
-    def run(path, loss_type, *, zerofix=False, loss_fn="trl"):
+    def run(path, loss_type, *, zerofix=False, loss_fn="trl", timeout=400):
         name = f"{path}-{loss_type}-{loss_fn}-{'patched' if zerofix else 'unpatched'}"
         args = ["--model-dir", str(model_dir), "--path", path, "--loss-type", loss_type, "--loss-fn", loss_fn]
         records = launch.accelerate_launch(jobs.TRL_SFT, args + (["--zerofix"] if zerofix else []),
                                            config=jobs.trl_accelerate_config(tmp_path), nproc=2,
-                                           out_dir=tmp_path / name, timeout=400)
+                                           out_dir=tmp_path / name, timeout=timeout)
         assert len(records) == 2
         for r in records:
             if "error" not in r:
@@ -84,9 +99,59 @@ def test_r2_compute_loss_override_crashes_unpatched_and_trains_like_nll_patched(
     assert_same_training(patched, ref)
 
 
+def assert_uneven_chunks(records):
+    """Rank 0 counts 8 tokens per step (1 chunk of 8), rank 1 24 (3 chunks)."""
+    counted = [[s["counted_tokens"] for s in r["steps"]] for r in records]
+    assert counted == [[8] * 3, [24] * 3], counted
+
+
+def processes_under(path: Path) -> list[int]:
+    """Processes whose command line names ``path`` (the ranks of a launch write there)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(path).encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            pass
+    return [pid for pid in found if pid != os.getpid()]
+
+
+@pytest.mark.stack(*GATHER_STACKS)
+def test_r4_uneven_chunks_hang_unpatched_and_train_like_full_logits_patched(sft, tmp_path):
+    ref = sft("r4", "nll")
+    assert all("error" not in r for r in ref), ref[0].get("traceback")
+    began = time.monotonic()
+    patched = sft("r4", "chunked_nll", zerofix=True)
+    took = time.monotonic() - began
+    assert all(r["status"][GATHER] == "applied" for r in patched)
+    assert_uneven_chunks(patched)
+    assert_same_training(patched, ref)
+    # one gather in forward, one in backward, on every rank and step, whatever the chunk count
+    assert all(s["head_gathers"] == 2 for r in patched for s in r["steps"]), [r["steps"] for r in patched]
+    bound = max(30.0, 3 * took)
+    with pytest.raises(launch.LaunchError, match="timed out"):
+        sft("r4", "chunked_nll", timeout=bound)
+    assert processes_under(tmp_path / "r4-chunked_nll-trl-unpatched") == []  # the hung ranks were killed
+
+
+@pytest.mark.stack("trl160", "trl1142")
+def test_r3_trainer_step_is_unchanged_by_the_fix(sft):
+    ref = sft("r3", "nll", loss_fn="full-logits")
+    unpatched = sft("r3", "chunked_nll")
+    patched = sft("r3", "chunked_nll", zerofix=True)
+    assert all(r["status"][GATHER] == "applied" for r in patched)
+    for got in (unpatched, patched):
+        assert_uneven_chunks(got)
+        assert_same_training(got, ref)
+    gathers = [[[s["head_gathers"] for s in r["steps"]] for r in got] for got in (unpatched, patched)]
+    assert gathers[0] == gathers[1] and gathers[0][0] == gathers[0][1], gathers
+
+
 @pytest.mark.stack("latest")
 def test_latest_entry_not_affected_and_r2_on_zerofix_loss_trains_like_nll(sft):
     ref = sft("r2", "nll", zerofix=True)
     assert all(r["status"]["trl-chunked-nll-zero3"] == "not-affected" for r in ref)
+    assert all(r["status"][GATHER] == "not-affected" for r in ref)
     got = sft("r2", "chunked_nll", zerofix=True, loss_fn="zerofix")
     assert_same_training(got, ref)

@@ -247,6 +247,59 @@ FIXES: tuple[Fix, ...] = (
         where="ZeRO-3 with the loss outside a gathering engine.forward: evaluation on DeepSpeed < 0.16, a "
         "compute_loss that runs the decoder then the chunked loss: 'size mismatch ... vec (0)' on every rank",
     ),
+    Fix(
+        id="trl-chunked-nll-gather-zero3",
+        title="SFTTrainer(loss_type='chunked_nll') gathers the ZeRO-3 lm_head once per chunk: ranks with "
+        "different chunk counts hang",
+        dist="trl",
+        affected=">=1.6.0,<1.15.0",
+        targets=(
+            Target("trl.trainer.sft_trainer", "_chunked_cross_entropy_loss",
+                   "zerofix.fixes.trl_chunked_nll_zero3:per_chunk_gather_loss"),
+        ),
+        implementation="zerofix.fixes.trl_chunked_nll_zero3",
+        upstream=("https://github.com/huggingface/trl/issues/6696", "https://github.com/huggingface/trl/pull/6698",
+                  "https://github.com/huggingface/trl/issues/6372"),
+        fixed_in="1.15.0",
+        where="ZeRO-3, chunked_nll (the default loss_type from 1.7.0) where the head is not already whole: a "
+        "compute_loss that runs the decoder then the chunked loss, and any backward that recomputes a chunk "
+        "after DeepSpeed released the head; each chunk gathers, so ranks with different numbers of counted "
+        "tokens (assistant-only or completion-only masking) run different numbers of collectives and hang",
+    ),
+    Fix(
+        id="trl-grpo-window-normalisation",
+        title="GRPOTrainer divides dapo/cispo/vespo losses by the generation batch's token count, not the "
+        "accumulation window's",
+        dist="trl",
+        affected=">=0.22.0,<1.9.2",
+        targets=(
+            Target("trl.trainer.grpo_trainer", "GRPOTrainer._compute_loss",
+                   "zerofix.fixes.trl_grpo_window_normalisation:compute_loss"),
+        ),
+        implementation="zerofix.fixes.trl_grpo_window_normalisation",
+        upstream=("https://github.com/huggingface/trl/issues/5619", "https://github.com/huggingface/trl/pull/6024"),
+        fixed_in="1.9.2",
+        where="loss_type dapo (the default), cispo or vespo with steps_per_generation (or generation_batch_size) "
+        "different from gradient_accumulation_steps: every update is GAS/steps_per_generation times the "
+        "window's token-mean",
+    ),
+    # The experimental GSPO-token trainer copied _compute_loss (and its divisor) instead of calling it: its
+    # own entry, applied when a script imports it.
+    Fix(
+        id="trl-gspo-token-window-normalisation",
+        title="The experimental GSPO-token GRPOTrainer divides its dapo loss by the generation batch's token count",
+        dist="trl",
+        affected=">=0.22.0,<1.9.2",
+        targets=(
+            Target("trl.experimental.gspo_token.grpo_trainer", "GRPOTrainer._compute_loss",
+                   "zerofix.fixes.trl_grpo_window_normalisation:compute_loss"),
+        ),
+        implementation="zerofix.fixes.trl_grpo_window_normalisation",
+        upstream=("https://github.com/huggingface/trl/issues/5619", "https://github.com/huggingface/trl/pull/6024"),
+        fixed_in="1.9.2",
+        where="trl.experimental.gspo_token.GRPOTrainer, loss_type dapo, steps_per_generation != "
+        "gradient_accumulation_steps: as trl-grpo-window-normalisation",
+    ),
 )
 
 

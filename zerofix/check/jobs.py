@@ -182,6 +182,87 @@ def trl_sft(job, rows, nproc, out_dir, timeout):
                        "applied": _applied(got["patched"][0]["status"], row.fixes)}}
 
 
+def trl_sft_uneven(job, rows, nproc, out_dir, timeout):
+    """SFTTrainer, assistant-only masking that gives rank 0 one chunk and rank 1 three, TRL's chunked loss in a
+    compute_loss that runs the decoder first (the scenario's ``r4``), against the same run with the full logits.
+    The patched run goes first: the unpatched one, which hangs on TRL 1.6 - 1.14, gets three times its time
+    (at least 30 s), then its ranks are killed and the row says so."""
+    import time
+
+    from zerofix.check.scenarios import trl_sft as scenario
+
+    from transformers.utils import logging as hf_logging
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_logging.disable_progress_bar()
+    model_dir = scenario.make_model_dir(out_dir / "tiny-llama")
+    config = trl_accelerate_config(out_dir)
+
+    def sft(name, loss_type, patched, limit):
+        args = ["--model-dir", str(model_dir), "--path", "r4", "--loss-type", loss_type]
+        return launch.accelerate_launch(TRL_SFT, args + (["--zerofix"] if patched else []), config=config,
+                                        nproc=nproc, out_dir=out_dir / name, timeout=limit)
+
+    ref = sft("nll", "nll", False, timeout)
+    if any("error" in r for r in ref):
+        raise launch.LaunchError("the full-logits reference run failed", tail=_first_error(ref))
+    began = time.monotonic()
+    patched = sft("patched", "chunked_nll", True, timeout)
+    bound = max(30.0, 3 * (time.monotonic() - began))
+    try:
+        unpatched = trl_outcome(sft("unpatched", "chunked_nll", False, bound), ref)
+    except launch.LaunchError as exc:
+        if "timed out" not in str(exc):
+            raise
+        unpatched = {"error": f"hung: no result in {bound:.0f} s (3 x the patched run); the ranks were killed"}
+    row = rows[0]
+    return {row.name: {"unpatched": unpatched, "patched": trl_outcome(patched, ref),
+                       "applied": _applied(patched[0]["status"], row.fixes)}}
+
+
+def trl_grpo(job, rows, nproc, out_dir, timeout):
+    """GRPOTrainer, one SGD step per row from the same weights, unpatched and patched, against the update
+    computed by hand in float64 from the inputs every micro-step received (scenario ``trl_grpo``)."""
+    from zerofix.check.scenarios import trl_grpo as scenario
+
+    from transformers.utils import logging as hf_logging
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_logging.disable_progress_bar()
+    model_dir = scenario.make_model_dir(out_dir / "tiny-llama")
+    cases = {r.name: GRPO_CASES[r.name] for r in rows}
+    results = {r.name: {} for r in rows}
+    status = {}
+    for variant in ("unpatched", "patched"):
+        args = ["--model-dir", str(model_dir), "--cases", json.dumps(list(cases.values()))]
+        out = out_dir / variant
+        records = launch.torchrun("zerofix.check.scenarios.trl_grpo", args + (["--zerofix"] if variant == "patched"
+                                  else []), nproc=nproc, out_dir=out, timeout=timeout)
+        status[variant] = records[0]["status"]
+        for row_name, case in cases.items():
+            name = scenario.case_name(case)
+            failed = next((r["cases"][name]["error"] for r in records if "error" in r["cases"][name]), None)
+            if failed:
+                results[row_name][variant] = {"error": failed}
+                continue
+            res = scenario.reference_update(model_dir, sorted(out.glob(f"{name}-rank*.pt")))
+            ref, got = res["ref"], res["got"]
+            results[row_name][variant] = {"ratio": float(got @ ref / (ref @ ref)),
+                                          "cosine": float(got @ ref / (got.norm() * ref.norm())),
+                                          "rel_err": float((got - ref).abs().max() / ref.abs().max())}
+    return {r.name: {**results[r.name], "applied": _applied(status["patched"], r.fixes)} for r in rows}
+
+
+# zerofix check's GRPO rows: steps_per_generation above and below GAS (generation batches divisible by
+# num_generations on 1 and 2 ranks)
+GRPO_CASES = {
+    "trl-grpo-dapo-spg4-gas2": {"loss_type": "dapo", "spg": 4, "gas": 2},
+    "trl-grpo-dapo-spg2-gas4": {"loss_type": "dapo", "spg": 2, "gas": 4},
+}
+
+
 def _first_error(records) -> str:
     return next(f"rank {r['rank']}: {r['error']}" for r in records if "error" in r)
 
@@ -246,7 +327,8 @@ def your_zero3_loss(job, rows, nproc, out_dir, timeout, user):
     return zero3_loss(job, rows, nproc, out_dir, timeout, tied=user["tied"])
 
 
-RUNNERS = {"deepspeed": deepspeed, "zero3-loss": zero3_loss, "trl-sft": trl_sft}
+RUNNERS = {"deepspeed": deepspeed, "zero3-loss": zero3_loss, "trl-sft": trl_sft, "trl-sft-uneven": trl_sft_uneven,
+           "trl-grpo": trl_grpo}
 USER_RUNNERS = {"your-trainer": your_trainer, "your-accelerate": your_accelerate, "your-deepspeed": your_deepspeed,
                 "your-zero3-loss": your_zero3_loss}
 

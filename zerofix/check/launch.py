@@ -71,10 +71,10 @@ def _launch(cmd, module, *, nproc, out_dir, timeout, env):
     try:
         stdout, _ = proc.communicate(timeout=timeout)
     except KeyboardInterrupt:  # Ctrl-C of zerofix check: its own session would keep the ranks running
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         raise
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         stdout, _ = proc.communicate()
         log = out_dir / "launcher.log"
         log.write_text(stdout)
@@ -88,6 +88,40 @@ def _launch(cmd, module, *, nproc, out_dir, timeout, env):
                           f"of the ranks' output:\n" + "\n".join(stdout.splitlines()[-60:]),
                           tail=failing_rank_tail(stdout) + f"\nfull log: {log}")
     return [json.loads(p.read_text()) for p in sorted(out_dir.glob("**/rank*.json"))]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process below it. Its process group is not enough: torch's elastic agent
+    starts each rank in a session of its own (measured with torch 2.13: the ranks of a hung run outlived
+    ``killpg`` and kept the launcher's output pipe open, so the timeout itself hung)."""
+    victims = [pid] + _descendants(pid)
+    for victim in victims:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (read from /proc; empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def failing_rank_tail(output: str, lines: int = 12) -> str:

@@ -44,6 +44,11 @@ JOBS = {job.name: job for job in (
     Job("zero3-loss", ("deepspeed",)),
     Job("trl-sft", ("trl", "transformers", "accelerate", "deepspeed", "datasets"),
         versions=(("trl", ">=1.4.0", "has no loss_type='chunked_nll' (new in 1.4.0)"),)),
+    Job("trl-sft-uneven", ("trl", "transformers", "accelerate", "deepspeed", "datasets"), min_ranks=2,
+        versions=(("trl", ">=1.4.0,<1.15.0", "has no _chunked_cross_entropy_loss (1.4.0 - 1.14.x; from 1.15.0 "
+                   "chunked_nll is nll)"),)),
+    Job("trl-grpo", ("trl", "transformers", "accelerate", "datasets", "requests"),
+        versions=(("trl", ">=1.0.0", "is older than the GRPO scenario (trl >= 1.0.0)"),)),
 )}
 
 _MODELS = {"causal-lm": "causal LM with loss kwargs", "custom": "custom module without loss kwargs"}
@@ -72,6 +77,13 @@ SCENARIOS: tuple[Scenario, ...] = (
     # Compared with the same SFTTrainer run with loss_type="nll" (full logits): losses and grad norms.
     Scenario("trl-sft-chunked-nll", "trl-sft", "TRL SFTTrainer, loss_type=chunked_nll, ZeRO-3, with evaluation",
              ("trl-chunked-nll-zero3",), tolerance=1e-5),
+    Scenario("trl-sft-uneven-chunks", "trl-sft-uneven", "TRL SFTTrainer, chunked loss in a compute_loss, ZeRO-3, "
+             "assistant-only masking: 1 chunk on rank 0, 3 on rank 1", ("trl-chunked-nll-zero3",
+             "trl-chunked-nll-gather-zero3"), tolerance=1e-5),
+    # One SGD step against the float64 update from the inputs every micro-step received.
+    *(Scenario(f"trl-grpo-dapo-spg{spg}-gas{gas}", "trl-grpo", f"TRL GRPOTrainer, loss_type=dapo, "
+               f"steps_per_generation={spg}, GAS={gas}", ("trl-grpo-window-normalisation",), tolerance=1e-5)
+      for spg, gas in ((4, 2), (2, 4))),
 )
 NAMES = tuple(s.name for s in SCENARIOS)
 

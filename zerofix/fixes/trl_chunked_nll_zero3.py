@@ -14,6 +14,12 @@ per backward, whatever the number of chunks): the loss, the argmax-correct count
 number of counted tokens, with TRL's shift, ``-100`` masking, ``num_items_in_batch`` normalisation,
 ``logit_scale`` and ``final_logit_softcapping``. The statistics are for logging and carry no gradient (TRL's
 entropy sum has one, but the Trainer only logs it).
+
+trl-chunked-nll-gather-zero3 (TRL 1.6.0 - 1.14.2) wraps the same function, whose signature did not change:
+there each chunk gathers the head itself (``_maybe_gather_lm_head_ctx`` / ``maybe_gather_lm_head_ctx``
+around the chunk's matmul, again when the checkpointed chunk is recomputed in backward), so a rank's number
+of gathers, a collective, follows its number of counted tokens. The wrapper's gathers do not.
+TRL 1.15.0 made ``chunked_nll`` an alias of ``nll`` and removed the function.
 """
 from __future__ import annotations
 
@@ -23,11 +29,14 @@ from zerofix import applied
 from zerofix.fixes.contract import Check, drifted, found
 
 FIX_ID = "trl-chunked-nll-zero3"
-FIX_IDS = (FIX_ID,)
+GATHER_FIX_ID = "trl-chunked-nll-gather-zero3"
+FIX_IDS = (FIX_ID, GATHER_FIX_ID)
 TARGET = "_chunked_cross_entropy_loss"
-# The measured signature (1.4.0 and 1.5.1 are identical in this function).
+# The measured signature (identical in 1.4.0 - 1.14.2).
 PARAMETERS = ["hidden_states", "lm_head_weight", "chunk_size", "labels", "shift_labels", "num_items_in_batch",
               "logit_scale", "final_logit_softcapping", "lm_head_bias"]
+# The per-chunk helper that gathers the head (1.6.0 - 1.8.0 private, public from 1.9.0)
+GATHER_HELPERS = ("_maybe_gather_lm_head_ctx", "maybe_gather_lm_head_ctx")
 
 
 def structural_check(fix_id: str, targets) -> Check:
@@ -35,11 +44,30 @@ def structural_check(fix_id: str, targets) -> Check:
     params = list(inspect.signature(function).parameters)
     if params != PARAMETERS:
         return drifted(f"trl.trainer.sft_trainer.{TARGET}{tuple(params)} is not the measured {tuple(PARAMETERS)}")
+    if fix_id == GATHER_FIX_ID:
+        chunk = getattr(inspect.getmodule(function), "_chunk", None)
+        try:
+            source = inspect.getsource(chunk) if callable(chunk) else ""
+        except (OSError, TypeError):
+            source = ""
+        if not any(helper in source for helper in GATHER_HELPERS):
+            return drifted(f"trl.trainer.sft_trainer._chunk no longer gathers the head per chunk "
+                           f"(none of {GATHER_HELPERS} in its source)")
     return found(signature=inspect.signature(function))
 
 
 def chunked_cross_entropy_loss(wrapped, instance, args, kwargs):
-    bound = applied.facts(FIX_ID)["signature"].bind(*args, **kwargs)
+    """trl-chunked-nll-zero3 (TRL 1.4.0 - 1.5.1)."""
+    return _zero3_safe(FIX_ID, wrapped, args, kwargs)
+
+
+def per_chunk_gather_loss(wrapped, instance, args, kwargs):
+    """trl-chunked-nll-gather-zero3 (TRL 1.6.0 - 1.14.2): the same computation, gathered once per pass."""
+    return _zero3_safe(GATHER_FIX_ID, wrapped, args, kwargs)
+
+
+def _zero3_safe(fix_id, wrapped, args, kwargs):
+    bound = applied.facts(fix_id)["signature"].bind(*args, **kwargs)
     bound.apply_defaults()
     a = bound.arguments
     if a["labels"] is None and a["shift_labels"] is None:

@@ -8,6 +8,13 @@ where DeepSpeed does not gather ``lm_head.weight`` for it.
   loss on ``lm_head.weight`` (``--loss-fn trl``: TRL's ``_chunked_cross_entropy_loss``; ``zerofix``:
   ``zerofix.chunked_cross_entropy``); with ``--loss-type nll`` the override computes the full logits instead,
   the reference.
+- ``--path r3``: the Trainer's own training step with ``assistant_only_loss=True`` on a chat dataset whose
+  assistant turns are short on rank 0 and long on rank 1 (a sequential sampler), so the ranks' chunked losses
+  have different numbers of chunks (TRL #6696). Every rank also records, per step, its counted tokens and how
+  many times the loss gathered ``lm_head.weight`` itself (``param.all_gather``, which TRL's
+  ``GatheredParameters`` and zerofix's ``gathered`` both call; DeepSpeed's own module fetches do not).
+- ``--path r4``: r3's data and sampler with r2's ``compute_loss`` override (the head is not whole there, so
+  TRL 1.6 - 1.14 gather it once per chunk: a different number of collectives on each rank).
 - ``--zerofix``: ``zerofix.patch()`` first, before TRL is imported (what the README's quick start does).
 
 Every rank writes ``rank{r}.json``: the Trainer's log history (train loss, grad norm, eval loss) or the error.
@@ -21,12 +28,18 @@ import traceback
 from pathlib import Path
 
 VOCAB, SEQ, SAMPLES, CHUNK = 64, 16, 16, 8
+# r3: the assistant turn's length by the rank that reads the sample (sequential sampler, 2 per rank and step):
+# rank 0 counts 2 x 4 tokens (1 chunk of CHUNK), rank 1 2 x 12 (3 chunks)
+SHORT_REPLY, LONG_REPLY = 3, 11
+# A chat template with {% generation %} markers (what assistant_only_loss needs), over whitespace-split words
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }} </s>"
+                 "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %} {% endfor %}")
 
 
 def make_model_dir(path: Path, *, tied: bool = False, seed: int = 0) -> Path:
     """A tiny Llama and a word-level tokenizer saved with ``save_pretrained`` (nothing from a hub)."""
     import torch
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(seed)
@@ -35,8 +48,10 @@ def make_model_dir(path: Path, *, tied: bool = False, seed: int = 0) -> Path:
                          tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     LlamaForCausalLM(config).save_pretrained(path)
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")),
-                                        pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
     return path
 
@@ -56,10 +71,39 @@ def dataset():
     return Dataset.from_dict(rows)
 
 
+def chat_dataset():
+    """Conversations: a 4-word user turn, then an assistant turn of SHORT_REPLY words for the samples rank 0
+    reads and LONG_REPLY for rank 1's (samples 4k, 4k+1 and 4k+2, 4k+3 with 2 per rank and step)."""
+    import torch
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(7)
+
+    def words(n):
+        return " ".join(f"t{int(i)}" for i in torch.randint(3, VOCAB, (n,), generator=g))
+
+    rows = [[{"role": "user", "content": words(4)},
+             {"role": "assistant", "content": words(SHORT_REPLY if i % 4 < 2 else LONG_REPLY)}]
+            for i in range(SAMPLES)]
+    return Dataset.from_dict({"messages": rows})
+
+
+def count_head_gathers(head, counter: dict) -> None:
+    """Count the explicit gathers of a ZeRO-3 parameter: ``GatheredParameters`` and ``zerofix.gathered``
+    both call the parameter's own ``all_gather``."""
+    original = head.all_gather
+
+    def all_gather(*args, **kwargs):
+        counter["n"] += 1
+        return original(*args, **kwargs)
+
+    head.all_gather = all_gather
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--path", choices=("r1", "r2"), required=True)
+    parser.add_argument("--path", choices=("r1", "r2", "r3", "r4"), required=True)
     parser.add_argument("--loss-type", choices=("chunked_nll", "nll"), required=True)
     parser.add_argument("--loss-fn", choices=("trl", "zerofix", "full-logits"), default="trl",
                         help="full-logits (with --loss-type nll): SFTTrainer's compute_loss_func computes the loss "
@@ -100,17 +144,19 @@ def train(args) -> dict:
 
     PartialState(backend="gloo")  # accelerate >= 1.13 on CPU otherwise sees one process
     phase = {"now": "setup"}
+    chat = args.path in ("r3", "r4")  # assistant-only masking, ranks with different chunk counts
     config = SFTConfig(
         output_dir=str(Path(args.out) / "trainer"), per_device_train_batch_size=2, per_device_eval_batch_size=2,
         max_steps=args.steps, learning_rate=1e-2, lr_scheduler_type="constant", warmup_steps=0,
         max_grad_norm=1e6, logging_steps=1,  # never clips, but logs the norm
         report_to="none", save_strategy="no", seed=0,
         dataloader_num_workers=0, disable_tqdm=True, bf16=False, use_cpu=True, ddp_backend="gloo",
-        loss_type="chunked_nll" if (args.path == "r1" and args.loss_type == "chunked_nll") else "nll",
+        loss_type="chunked_nll" if (args.path in ("r1", "r3") and args.loss_type == "chunked_nll") else "nll",
         eval_strategy="steps" if args.path == "r1" else "no", eval_steps=2, eval_on_start=args.path == "r1",
-        completion_only_loss=True, model_init_kwargs={"device_map": None},  # use_cpu would ask for "auto"
+        model_init_kwargs={"device_map": None},  # use_cpu would ask for "auto"
+        **({"assistant_only_loss": True, "max_length": 64} if chat else {"completion_only_loss": True}),
     )
-    override = args.path == "r2"
+    override = args.path in ("r2", "r4")
     chunked = args.loss_type == "chunked_nll"
     loss_fn = args.loss_fn
 
@@ -141,12 +187,23 @@ def train(args) -> dict:
             phase["now"] = "train backward"
             return (loss, None) if return_outputs else loss
 
-        def training_step(self, *a, **k):
-            result = super().training_step(*a, **k)
+        def training_step(self, model, inputs, *a, **k):
+            gathers["n"] = 0
+            counted = int((inputs["labels"][:, 1:] != -100).sum())
+            result = super().training_step(model, inputs, *a, **k)
+            steps.append({"counted_tokens": counted, "head_gathers": gathers["n"]})
             phase["now"] = "between steps"
             return result
 
-    data = dataset()
+        def _get_train_sampler(self, *a, **k):
+            if not chat:
+                return super()._get_train_sampler(*a, **k)
+            from torch.utils.data import SequentialSampler
+
+            return SequentialSampler(self.train_dataset)
+
+    steps, gathers = [], {"n": 0}
+    data = chat_dataset() if chat else dataset()
     extra = {"compute_loss_func": full_logits_nll} if loss_fn == "full-logits" else {}
     trainer = Trainer(model=args.model_dir, args=config, train_dataset=data,
                       eval_dataset=data.select(range(4)) if args.path == "r1" else None, **extra)
@@ -155,6 +212,8 @@ def train(args) -> dict:
     head = trainer.model.lm_head.weight
     facts = {"zero3": is_deepspeed_zero3_enabled(), "head_numel_after_load": head.numel(),
              "head_is_zero3_param": hasattr(head, "ds_id")}
+    if hasattr(head, "ds_id"):
+        count_head_gathers(head, gathers)
     try:
         trainer.train()
     except Exception as exc:
@@ -165,6 +224,7 @@ def train(args) -> dict:
         "train_loss": [h["loss"] for h in history if "loss" in h],
         "grad_norm": [h["grad_norm"] for h in history if "grad_norm" in h],
         "eval_loss": [h["eval_loss"] for h in history if "eval_loss" in h],
+        "steps": steps,
     }
 
 

@@ -1,0 +1,95 @@
+"""trl-grpo-window-normalisation (and its GSPO-token copy): GRPO's dapo/cispo/vespo losses, real runs.
+
+torchrun, gloo, CPU, no DeepSpeed, no vLLM: ``GRPOTrainer`` on a tiny random Llama with a Python reward, one
+SGD step per case from the same weights (scenario ``zerofix.check.scenarios.trl_grpo``). The reference is
+computed by hand in float64 in one process from the inputs every micro-step of every rank received (old
+log-probabilities, advantages, masks): the gradient of the window's token-mean of TRL's per-token loss.
+
+- trl 1.6.0 (stack trl160, before the fix): unpatched, update / reference = GAS / steps_per_generation for
+  steps_per_generation <, = and > GAS (2, 1, 0.5), on 2 ranks and on 1; patched, equal to the reference within
+  1e-6 relative, and where steps_per_generation == GAS identical to the unpatched run (upstream was right).
+- trl 1.10.0 and 1.14.2 (fixed in 1.9.2): zerofix's entries are not-affected and the updates equal the reference.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("trl")
+
+from zerofix.check import launch  # noqa: E402
+from zerofix.check.scenarios import trl_grpo  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+SAME = 1e-6  # relative error of the update: float32 training against the float64 reference
+ENTRIES = ("trl-grpo-window-normalisation", "trl-gspo-token-window-normalisation")
+GAS = 2
+CASES = [{"loss_type": "dapo", "spg": spg, "gas": GAS} for spg in (1, 2, 4)] + [
+    {"loss_type": "cispo", "spg": 4, "gas": GAS}, {"loss_type": "vespo", "spg": 4, "gas": GAS},
+    {"loss_type": "dapo", "spg": 4, "gas": GAS, "trainer": "gspo_token"}]
+ONE_RANK = [{"loss_type": "dapo", "spg": 4, "gas": GAS}]
+
+
+@pytest.fixture(scope="module")
+def grpo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo")
+    model_dir = trl_grpo.make_model_dir(root / "tiny-llama")
+
+    def run(cases, *, zerofix, nproc=2):
+        out = root / f"{'patched' if zerofix else 'unpatched'}-n{nproc}-{len(cases)}"
+        args = ["--model-dir", str(model_dir), "--cases", json.dumps(cases)] + (["--zerofix"] if zerofix else [])
+        records = launch.torchrun("zerofix.check.scenarios.trl_grpo", args, nproc=nproc, out_dir=out, timeout=500)
+        assert len(records) == nproc
+        results = {}
+        for case in cases:
+            name = trl_grpo.case_name(case)
+            for r in records:
+                assert "error" not in r["cases"][name], r["cases"][name].get("traceback")
+                # every micro-step counts the same tokens: a window's count is GAS/spg of a generation batch's
+                assert len(set(r["cases"][name]["completion_tokens"])) == 1
+            res = trl_grpo.reference_update(model_dir, sorted(out.glob(f"{name}-rank*.pt")))
+            assert res["rank_spread"] == 0.0  # DDP: every rank holds the same update
+            ref, got = res["ref"], res["got"]
+            results[name] = {"ratio": float(got @ ref / (ref @ ref)),
+                             "rel_err": float((got - ref).norm() / ref.norm()), "got": got,
+                             "loss": records[0]["cases"][name]["loss"]}
+        return records, results
+    return run
+
+
+@pytest.mark.stack("trl160")
+def test_trl160_updates_are_gas_over_spg_unpatched_and_the_window_mean_patched(grpo):
+    records, unpatched = grpo(CASES, zerofix=False)
+    assert all(r["status"][e] == "inactive" for r in records for e in ENTRIES)
+    for case in CASES:
+        name, factor = trl_grpo.case_name(case), case["gas"] / case["spg"]
+        # the update is the intended one scaled by GAS/spg: same direction, measured factor
+        assert abs(unpatched[name]["ratio"] - factor) <= 1e-5 * factor, (name, unpatched[name]["ratio"])
+        assert unpatched[name]["rel_err"] <= abs(1 - factor) + 1e-5, (name, unpatched[name]["rel_err"])
+    records, patched = grpo(CASES, zerofix=True)
+    assert all(r["status"][e] == "applied" for r in records for e in ENTRIES)
+    for case in CASES:
+        name = trl_grpo.case_name(case)
+        assert patched[name]["rel_err"] <= SAME, (name, patched[name]["rel_err"])
+    right = trl_grpo.case_name({"loss_type": "dapo", "spg": GAS, "gas": GAS})
+    assert bool((patched[right]["got"] == unpatched[right]["got"]).all())  # untouched where upstream is right
+    assert patched[right]["loss"] == unpatched[right]["loss"]
+
+
+@pytest.mark.stack("trl160")
+def test_trl160_one_rank(grpo):
+    _, unpatched = grpo(ONE_RANK, zerofix=False, nproc=1)
+    _, patched = grpo(ONE_RANK, zerofix=True, nproc=1)
+    name = trl_grpo.case_name(ONE_RANK[0])
+    assert abs(unpatched[name]["ratio"] - 0.5) <= 1e-5 * 0.5, unpatched[name]
+    assert patched[name]["rel_err"] <= SAME, patched[name]
+
+
+@pytest.mark.stack("trl1100", "trl1142")
+def test_fixed_releases_are_not_affected_and_equal_the_reference(grpo):
+    cases = [CASES[0], CASES[2], CASES[3]]  # spg < GAS, spg > GAS, cispo
+    records, results = grpo(cases, zerofix=True)
+    assert all(r["status"][ENTRIES[0]] == "not-affected" for r in records)
+    for name, res in results.items():
+        assert res["rel_err"] <= SAME, (name, res["rel_err"])
