@@ -79,6 +79,9 @@ def outcomes(run) -> tuple[dict, dict]:
     return result, json.loads(status.read_text())
 
 
+GRPO = {"trl-grpo-window-normalisation", "trl-gspo-token-window-normalisation"}
+
+
 def test_accelerate_suite_outcomes_are_identical_with_zerofix(suite, tmp_path):
     root, plugin_dir = suite
     off = start(root, plugin_dir, tmp_path, "off", {})
@@ -86,7 +89,10 @@ def test_accelerate_suite_outcomes_are_identical_with_zerofix(suite, tmp_path):
     without, states_off = outcomes(off)
     with_zerofix, states_on = outcomes(on)
     assert set(states_off.values()) <= {"inactive", "not-affected", "not-installed"}, states_off
-    in_range = {fix for fix, state in states_off.items() if state == "inactive"} - {CHANGES_ON_PURPOSE}
+    # GRPO's entries wait for trl.trainer.grpo_trainer, which the plugin cannot import without requests
+    # (not on the stacks that run this test); every other entry in range is applied.
+    in_range = {fix for fix, state in states_off.items() if state == "inactive"} - {CHANGES_ON_PURPOSE} - GRPO
     assert in_range and all(states_on[fix] == "applied" for fix in in_range), states_on
+    assert all(states_on[fix] in ("applied", "pending-import", "not-affected") for fix in GRPO), states_on
     assert sum(outcome == "passed" for outcome in without.values()) >= 40, without  # the suite really ran
     assert with_zerofix == without
