@@ -293,7 +293,9 @@ def test_environment_activation_reaches_every_rank_and_logs_once_per_engine(tmp_
     log = (tmp_path / "launcher.log").read_text()
     for rank in (0, 1):
         active = [line for line in log.splitlines()
-                  if line.startswith(f"[zerofix rank {rank}] INFO {FIX}: active on a DeepSpeed engine")]
+                  # anywhere in the line: the other rank's output (DeepSpeed prints lines in pieces) can
+                  # leave a line unfinished just before this one (measured once on 2025-12 in CI)
+                  if f"[zerofix rank {rank}] INFO {FIX}: active on a DeepSpeed engine" in line]
         assert len(active) == len(cells), log[-3000:]
     assert f"[zerofix rank 0] WARNING {FIX}: DeepSpeed divided each loss of this 3-micro-batch window" in log
 
