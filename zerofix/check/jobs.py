@@ -156,14 +156,8 @@ def trl_sft(job, rows, nproc, out_dir, timeout):
     """SFTTrainer with loss_type="chunked_nll" unpatched and patched, against the same run whose loss is computed
     from the full logits (SFTTrainer's compute_loss_func): the outcome compares the train losses, grad norms and
     eval losses, step by step. TRL >= 1.6 computes every nll in chunks, so "nll" alone would compare TRL with itself."""
-    from zerofix.check.scenarios import trl_sft as scenario
-
-    from transformers.utils import logging as hf_logging
-
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf_logging.disable_progress_bar()  # save_pretrained's bar would break check's own progress bar
-    model_dir = scenario.make_model_dir(out_dir / "tiny-llama")
+    model_dir = _tiny_llama(out_dir)
     config = trl_accelerate_config(out_dir)
 
     def sft(name, loss_type, patched):
@@ -189,14 +183,8 @@ def trl_sft_uneven(job, rows, nproc, out_dir, timeout):
     (at least 30 s), then its ranks are killed and the row says so."""
     import time
 
-    from zerofix.check.scenarios import trl_sft as scenario
-
-    from transformers.utils import logging as hf_logging
-
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf_logging.disable_progress_bar()
-    model_dir = scenario.make_model_dir(out_dir / "tiny-llama")
+    model_dir = _tiny_llama(out_dir)
     config = trl_accelerate_config(out_dir)
 
     def sft(name, loss_type, patched, limit):
@@ -226,12 +214,8 @@ def trl_grpo(job, rows, nproc, out_dir, timeout):
     computed by hand in float64 from the inputs every micro-step received (scenario ``trl_grpo``)."""
     from zerofix.check.scenarios import trl_grpo as scenario
 
-    from transformers.utils import logging as hf_logging
-
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf_logging.disable_progress_bar()
-    model_dir = scenario.make_model_dir(out_dir / "tiny-llama")
+    model_dir = _tiny_llama(out_dir)
     cases = {r.name: GRPO_CASES[r.name] for r in rows}
     results = {r.name: {} for r in rows}
     status = {}
@@ -248,10 +232,7 @@ def trl_grpo(job, rows, nproc, out_dir, timeout):
                 results[row_name][variant] = {"error": failed}
                 continue
             res = scenario.reference_update(model_dir, sorted(out.glob(f"{name}-rank*.pt")))
-            ref, got = res["ref"], res["got"]
-            results[row_name][variant] = {"ratio": float(got @ ref / (ref @ ref)),
-                                          "cosine": float(got @ ref / (got.norm() * ref.norm())),
-                                          "rel_err": float((got - ref).abs().max() / ref.abs().max())}
+            results[row_name][variant] = _outcome(reference.compare_updates(res["got"], res["ref"]))
     return {r.name: {**results[r.name], "applied": _applied(status["patched"], r.fixes)} for r in rows}
 
 
@@ -261,6 +242,17 @@ GRPO_CASES = {
     "trl-grpo-dapo-spg4-gas2": {"loss_type": "dapo", "spg": 4, "gas": 2},
     "trl-grpo-dapo-spg2-gas4": {"loss_type": "dapo", "spg": 2, "gas": 4},
 }
+
+
+def _tiny_llama(out_dir: Path) -> Path:
+    """The TRL jobs' tiny Llama and tokenizer, saved under ``out_dir`` (which is created)."""
+    from zerofix.check.scenarios import trl_sft as scenario
+
+    from transformers.utils import logging as hf_logging
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_logging.disable_progress_bar()  # save_pretrained's bar would break check's own progress bar
+    return scenario.make_model_dir(out_dir / "tiny-llama")
 
 
 def _first_error(records) -> str:

@@ -74,6 +74,11 @@ def compare(init: dict, measured: dict, reference: dict) -> dict:
     ``rel_err`` = max |du - dr| / max |dr|; ``ratio`` = <du, dr> / <dr, dr>; ``cosine``."""
     du = torch.cat([(measured[k].double() - init[k].double()).flatten() for k in sorted(reference)])
     dr = torch.cat([(reference[k].double() - init[k].double()).flatten() for k in sorted(reference)])
+    return compare_updates(du, dr)
+
+
+def compare_updates(du, dr) -> dict:
+    """``compare`` on the flat updates themselves (float64): measured ``du``, reference ``dr``."""
     scale = dr.abs().max().item()
     if scale == 0:
         raise ValueError("the reference update is zero: the scenario trains nothing")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import traceback
 from pathlib import Path
@@ -124,8 +125,7 @@ def train(args, case: dict, out: Path, rank: int) -> dict:
     after = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
     settings = {"loss_type": case["loss_type"], "temperature": config.temperature, "lr": LR,
                 "epsilon_low": trainer.epsilon_low, "epsilon_high": trainer.epsilon_high,
-                "vespo": {k: getattr(config, f"vespo_{k}", None) for k in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")},
-                "num_processes": trainer.accelerator.num_processes}
+                "vespo": {k: getattr(config, f"vespo_{k}", None) for k in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")}}
     torch.save({"micro": micro, "before": before, "after": after, "settings": settings},
                out / f"{name}-rank{rank}.pt")
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -148,9 +148,7 @@ def reference_update(model_dir, files: list[Path]) -> dict:
     (``dapo``: clipped ratio; ``cispo``: detached clipped ratio times the log-probability; ``vespo``: detached
     gamma weight of the sequence ratio times the log-probability), with the old log-probabilities each
     micro-step received (its own, detached, where TRL passed none). Returns the reference and measured
-    updates (flat float64) and the parameter names."""
-    import math
-
+    updates (flat float64), the largest difference between the ranks' updates and the window's tokens."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -165,22 +163,19 @@ def reference_update(model_dir, files: list[Path]) -> dict:
     total = 0.0
     for s in saved:
         for m in s["micro"]:
-            total = total + _micro_objective(model, m, settings, math)
+            total = total + _micro_objective(model, m, settings)
     objective = total / window_tokens
     model.zero_grad()
     objective.backward()
     names = [n for n, _ in model.named_parameters()]
     ref = torch.cat([(-settings["lr"] * p.grad).reshape(-1) for _, p in model.named_parameters()])
-    got = {}
-    for s in saved:  # every rank ends with the same parameters (DDP); take rank 0's, check the others agree
-        delta = torch.cat([(s["after"][n] - s["before"][n]).double().reshape(-1) for n in names])
-        got.setdefault("first", delta)
-        got["spread"] = max(got.get("spread", 0.0), float((delta - got["first"]).abs().max()))
-    return {"ref": ref.detach(), "got": got["first"], "rank_spread": got["spread"],
-            "window_tokens": window_tokens}
+    # every rank ends with the same parameters (DDP): rank 0's update, and how far the others are from it
+    deltas = [torch.cat([(s["after"][n] - s["before"][n]).double().reshape(-1) for n in names]) for s in saved]
+    return {"ref": ref.detach(), "got": deltas[0], "window_tokens": window_tokens,
+            "rank_spread": max(float((d - deltas[0]).abs().max()) for d in deltas)}
 
 
-def _micro_objective(model, m: dict, settings: dict, math):
+def _micro_objective(model, m: dict, settings: dict):
     import torch
 
     prompt_ids, completion_ids = m["prompt_ids"], m["completion_ids"]
