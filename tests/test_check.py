@@ -189,15 +189,18 @@ MANUAL = "fixed by deepspeed-manual-accumulation"
 HOOK = "fixed by deepspeed-output-hook-division"
 GRPO_ROWS = [n for n in plan.NAMES if n.startswith("trl-grpo-")]
 NO_REQUESTS = {n: "skipped: requests not installed" for n in GRPO_ROWS}  # the GRPO rows: the trl stacks
+NO_DISTILL_LOOP = "skipped: trl {} has no chunked divergence loop (DistillationTrainer, 1.10.0 - 1.14.x)"
 EXPECTED = {
     # The default run, every scenario: what the catalogue says each stack does.
     "latest": {**{n: "ok" for n in plan.NAMES},
                **{f"deepspeed-zero{s}-{o}manual": MANUAL for s in (1, 2) for o in ("", "offload-")},
                "trl-sft-uneven-chunks": "skipped: trl 1.16.0 has no _chunked_cross_entropy_loss (1.4.0 - 1.14.x; "
-               "from 1.15.0 chunked_nll is nll)", **NO_REQUESTS},
+               "from 1.15.0 chunked_nll is nll)", "trl-distill-uneven-chunks": NO_DISTILL_LOOP.format("1.16.0"),
+               **NO_REQUESTS},
     "2026-04": {
         **{n: "ok" for n in plan.NAMES},
         "trl-sft-uneven-chunks": "fixed by trl-chunked-nll-zero3", **NO_REQUESTS,
+        "trl-distill-uneven-chunks": NO_DISTILL_LOOP.format("1.5.1"),
         **{f"trainer-{w}-{m}": "fixed by transformers-accelerate-double-division"
            for w in ("1proc", "ddp") for m in ("causal-lm", "custom")},
         "accelerate-zero2-causal-lm": HOOK, "accelerate-zero2-custom": HOOK,
@@ -386,3 +389,15 @@ def test_trl_rows_on_trl160(tmp_path):
         assert rows[name]["verdict"] == "fixed by trl-grpo-window-normalisation", stdout
         assert abs(rows[name]["unpatched"]["ratio"] - factor) < 1e-5 * factor, stdout
         assert rows[name]["patched"]["rel_err"] < 1e-5, stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.stack("trl1100")
+def test_trl_distill_row_on_trl1100(tmp_path):
+    """trl 1.10.0: DistillationTrainer's uneven chunk counts abort unpatched (gloo) and are fixed."""
+    code, document, stdout = zerofix_check(tmp_path, "--only", "trl-distill-uneven-chunks")
+    row = {r["name"]: r for r in document["scenarios"]}["trl-distill-uneven-chunks"]
+    assert code == 0, stdout
+    assert row["verdict"] == "fixed by trl-distillation-chunked-gather-zero3", stdout
+    assert row["unpatched"]["error"].startswith(("crash: ", "hung: ")), stdout
+    assert row["patched"]["rel_err"] < 1e-5, stdout

@@ -267,6 +267,24 @@ FIXES: tuple[Fix, ...] = (
         "tokens (assistant-only or completion-only masking) run different numbers of collectives and hang",
     ),
     Fix(
+        id="trl-distillation-chunked-gather-zero3",
+        title="DistillationTrainer's chunked divergence gathers the ZeRO-3 heads once per chunk: ranks with "
+        "different completion lengths run different collectives",
+        dist="trl",
+        affected=">=1.10.0,<1.15.0",
+        targets=(
+            Target("trl.trainer.distillation_trainer", "_chunked_divergence_loss",
+                   "zerofix.fixes.trl_distillation_chunked_zero3:chunked_divergence_loss"),
+        ),
+        implementation="zerofix.fixes.trl_distillation_chunked_zero3",
+        upstream=("https://github.com/huggingface/trl/issues/6696",),
+        fixed_in="1.15.0",
+        where="ZeRO-3, DistillationTrainer's own step: the teacher's head is partitioned after its forward, so "
+        "each chunk of counted completion tokens gathers it (twice, with backward's recompute); completions end at "
+        "EOS, ranks count different numbers of tokens, and their collectives stop matching (a hang on NCCL, an "
+        "abort on gloo)",
+    ),
+    Fix(
         id="trl-grpo-window-normalisation",
         title="GRPOTrainer divides dapo/cispo/vespo losses by the generation batch's token count, not the "
         "accumulation window's",

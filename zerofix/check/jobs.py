@@ -136,6 +136,7 @@ def zero3_loss(job, rows, nproc, out_dir, timeout, *, tied: bool = False):
 
 
 TRL_SFT = "zerofix.check.scenarios.trl_sft"
+TRL_DISTILL = "zerofix.check.scenarios.trl_distill"
 TRL_DS_CONFIG = {
     "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
@@ -204,6 +205,48 @@ def trl_sft_uneven(job, rows, nproc, out_dir, timeout):
         if "timed out" not in str(exc):
             raise
         unpatched = {"error": f"hung: no result in {bound:.0f} s (3 x the patched run); the ranks were killed"}
+    row = rows[0]
+    return {row.name: {"unpatched": unpatched, "patched": trl_outcome(patched, ref),
+                       "applied": _applied(patched[0]["status"], row.fixes)}}
+
+
+def trl_distill_uneven(job, rows, nproc, out_dir, timeout):
+    """DistillationTrainer's own step, completions of different lengths on the ranks, 4 rows per chunk, against the
+    same run with one chunk per rank (the full logits of the counted tokens). The patched run goes first: the
+    unpatched one gets three times its time (at least 30 s); gloo aborts on the mismatched collectives (NCCL would
+    hang), and the row says which."""
+    import time
+
+    from zerofix.check.scenarios import trl_distill as scenario
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    student, teacher = scenario.make_models(out_dir / "models")
+    config = trl_accelerate_config(out_dir)
+
+    def distill(name, chunk, patched, limit):
+        args = ["--student", str(student), "--teacher", str(teacher), "--chunk", str(chunk)]
+        return launch.accelerate_launch(TRL_DISTILL, args + (["--zerofix"] if patched else []), config=config,
+                                        nproc=nproc, out_dir=out_dir / name, timeout=limit)
+
+    ref = distill("one-chunk", scenario.WHOLE, False, timeout)
+    if any("error" in r for r in ref):
+        raise launch.LaunchError("the one-chunk reference run failed", tail=_first_error(ref))
+    began = time.monotonic()
+    patched = distill("patched", scenario.CHUNK, True, timeout)
+    bound = max(30.0, 3 * (time.monotonic() - began))
+    try:
+        unpatched = trl_outcome(distill("unpatched", scenario.CHUNK, False, bound), ref)
+    except launch.LaunchError as exc:
+        if "timed out" in str(exc):
+            unpatched = {"error": f"hung: no result in {bound:.0f} s (3 x the patched run); the ranks were killed"}
+        elif "collective mismatch" in f"{exc}\n{exc.tail}":
+            unpatched = {"error": "crash: the ranks' collectives did not match (gloo aborted; NCCL would hang)"}
+        else:
+            raise
     row = rows[0]
     return {row.name: {"unpatched": unpatched, "patched": trl_outcome(patched, ref),
                        "applied": _applied(patched[0]["status"], row.fixes)}}
@@ -320,7 +363,7 @@ def your_zero3_loss(job, rows, nproc, out_dir, timeout, user):
 
 
 RUNNERS = {"deepspeed": deepspeed, "zero3-loss": zero3_loss, "trl-sft": trl_sft, "trl-sft-uneven": trl_sft_uneven,
-           "trl-grpo": trl_grpo}
+           "trl-distill-uneven": trl_distill_uneven, "trl-grpo": trl_grpo}
 USER_RUNNERS = {"your-trainer": your_trainer, "your-accelerate": your_accelerate, "your-deepspeed": your_deepspeed,
                 "your-zero3-loss": your_zero3_loss}
 

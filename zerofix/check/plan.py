@@ -47,6 +47,9 @@ JOBS = {job.name: job for job in (
     Job("trl-sft-uneven", ("trl", "transformers", "accelerate", "deepspeed", "datasets"), min_ranks=2,
         versions=(("trl", ">=1.4.0,<1.15.0", "has no _chunked_cross_entropy_loss (1.4.0 - 1.14.x; from 1.15.0 "
                    "chunked_nll is nll)"),)),
+    Job("trl-distill-uneven", ("trl", "transformers", "accelerate", "deepspeed", "datasets"), min_ranks=2,
+        versions=(("trl", ">=1.10.0,<1.15.0", "has no chunked divergence loop (DistillationTrainer, 1.10.0 - "
+                   "1.14.x)"),)),
     Job("trl-grpo", ("trl", "transformers", "accelerate", "datasets", "requests"),
         versions=(("trl", ">=1.0.0", "is older than the GRPO scenario (trl >= 1.0.0)"),)),
 )}
@@ -80,6 +83,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("trl-sft-uneven-chunks", "trl-sft-uneven", "TRL SFTTrainer, chunked loss in a compute_loss, ZeRO-3, "
              "assistant-only masking: 1 chunk on rank 0, 3 on rank 1", ("trl-chunked-nll-zero3",
              "trl-chunked-nll-gather-zero3"), tolerance=1e-5),
+    Scenario("trl-distill-uneven-chunks", "trl-distill-uneven", "TRL DistillationTrainer, ZeRO-3, on-policy, "
+             "completions ending at EOS: different chunk counts on the ranks", ("trl-distillation-chunked-gather-zero3",),
+             tolerance=1e-5),
     # One SGD step against the float64 update from the inputs every micro-step received.
     *(Scenario(f"trl-grpo-dapo-spg{spg}-gas{gas}", "trl-grpo", f"TRL GRPOTrainer, loss_type=dapo, "
                f"steps_per_generation={spg}, GAS={gas}", ("trl-grpo-window-normalisation",), tolerance=1e-5)

@@ -20,12 +20,15 @@ there each chunk gathers the head itself (``_maybe_gather_lm_head_ctx`` / ``mayb
 around the chunk's matmul, again when the checkpointed chunk is recomputed in backward), so a rank's number
 of gathers, a collective, follows its number of counted tokens. The wrapper's gathers do not.
 TRL 1.15.0 made ``chunked_nll`` an alias of ``nll`` and removed the function.
+
+Both hand a head that is not a ZeRO-3 parameter (no DeepSpeed, ZeRO-1/2, DDP) to TRL's own function, untouched:
+only ZeRO-3 is broken.
 """
 from __future__ import annotations
 
 import inspect
 
-from zerofix import applied
+from zerofix import applied, zero3
 from zerofix.fixes.contract import Check, drifted, found
 
 FIX_ID = "trl-chunked-nll-zero3"
@@ -72,6 +75,8 @@ def _zero3_safe(fix_id, wrapped, args, kwargs):
     a = bound.arguments
     if a["labels"] is None and a["shift_labels"] is None:
         return wrapped(*args, **kwargs)  # TRL's own error message
+    if not any(zero3.is_zero3_param(p) for p in (a["lm_head_weight"], a["lm_head_bias"]) if p is not None):
+        return wrapped(*args, **kwargs)  # no ZeRO-3 head: TRL's own computation is right, and left untouched
     import torch
 
     from zerofix.losses import chunked_cross_entropy_with_stats
