@@ -123,9 +123,9 @@ assert_identical(current(), raw, "unpatch all")
 print("ok")
 """
 
-# The TRL entry's training step after patch / unpatch / patch: TRL's chunked loss, now zerofix's, against
-# the full logits in float64 (loss and both gradients), outside any DeepSpeed (the crash it fixes needs
-# ZeRO-3: test_trl_chunked_nll.py).
+# The TRL entry's training step after patch / unpatch / patch: TRL's chunked loss through the wrapper, against
+# the full logits in float64 (loss and both gradients), outside any DeepSpeed (no ZeRO-3 head: the wrapper hands
+# TRL its own function; the crash it fixes needs ZeRO-3: test_trl_chunked_nll.py).
 TRL_STEP = """
 import torch
 import torch.nn.functional as F

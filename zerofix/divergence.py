@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from zerofix import zero3
-from zerofix.losses import _ZeRO3Hold, _items, default_chunk_size
+from zerofix.losses import _items, default_chunk_size, hand_out_fused
 
 __all__ = ["chunked_divergence"]
 
@@ -113,14 +113,8 @@ class _ChunkedDivergence(torch.autograd.Function):
             raise RuntimeError("zerofix's chunked divergence computes its gradients in the forward and hands them out "
                                "once: a second backward through the same graph (retain_graph=True) is not supported; "
                                "run the forward again")
-        grad_h, grad_w, grad_b = ctx.grads
-        ctx.grads = None
-        # The student head's gradient is accumulated right after this returns: under ZeRO-3 it must be whole then.
-        hold = _ZeRO3Hold([p for p, g in ((ctx.weight, grad_w), (ctx.bias, grad_b)) if g is not None], [])
-        hold.release_if_no_grad()
-        if not torch.equal(grad_out, torch.ones_like(grad_out)):
-            grad_h, grad_w, grad_b = (None if g is None else g * grad_out.to(g.dtype) for g in (grad_h, grad_w, grad_b))
-        return grad_h, grad_w, grad_b, None, None, None, None
+        grads, ctx.grads = ctx.grads, None
+        return (*hand_out_fused(ctx.weight, ctx.bias, grads, grad_out), None, None, None, None)
 
 
 def _check(h_s, w_s, b_s, h_t, w_t, b_t, mask, beta, temperature, chunk_size):

@@ -271,6 +271,18 @@ class _ZeRO3Hold:
         zero3.release(still)
 
 
+def hand_out_fused(weight, bias, grads, grad_out):
+    """Backward of a loss whose gradients (for hidden, weight, bias) were computed in its forward: scaled by the
+    incoming gradient. The weight's gradient is accumulated into the parameter right after backward returns;
+    under ZeRO-3 the parameter must be whole then, so it is held gathered until autograd has accumulated it."""
+    grad_h, grad_w, grad_b = grads
+    hold = _ZeRO3Hold([p for p, g in ((weight, grad_w), (bias, grad_b)) if g is not None], [])
+    hold.release_if_no_grad()
+    if not torch.equal(grad_out, torch.ones_like(grad_out)):
+        grad_h, grad_w, grad_b = (None if g is None else g * grad_out.to(g.dtype) for g in (grad_h, grad_w, grad_b))
+    return grad_h, grad_w, grad_b
+
+
 class _ChunkedCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, y, opt):
@@ -309,17 +321,8 @@ class _ChunkedCE(torch.autograd.Function):
                     "(retain_graph=True, torch.autograd.gradcheck) is not supported. Use reduction='none' and "
                     "reduce the result yourself (recomputed in backward, so it supports both), or run the forward "
                     "again.")
-            grad_h, grad_w, grad_b = ctx.grads
-            ctx.grads = None
-            # The weight's gradient is accumulated into the parameter right after this returns; under
-            # ZeRO-3 the parameter must be whole then.
-            hold = _ZeRO3Hold([p for p, g in ((ctx.weight, grad_w), (ctx.bias, grad_b)) if g is not None], [])
-            hold.release_if_no_grad()
-            if not torch.equal(grad_out, torch.ones_like(grad_out)):
-                grad_h = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
-                grad_w = None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)
-                grad_b = None if grad_b is None else grad_b * grad_out.to(grad_b.dtype)
-            return grad_h, grad_w, grad_b, None, None
+            grads, ctx.grads = ctx.grads, None
+            return (*hand_out_fused(ctx.weight, ctx.bias, grads, grad_out), None, None)
         h, weight, bias, y = ctx.saved_tensors
         want = ctx.needs_input_grad
         needing = [p for p, w in ((weight, want[1]), (bias, want[2])) if p is not None and w]

@@ -2,6 +2,33 @@
 from __future__ import annotations
 
 
+def run_and_record(args, train) -> None:
+    """The TRL scenarios' rank: ``zerofix.patch()`` first with ``--zerofix`` (before TRL is imported), then
+    ``train(args)``; writes ``rank{r}.json`` (its result, or the error: a crash is a result the tests assert,
+    and zerofix's status), then ``finish()``."""
+    import json
+    import os
+    import traceback
+    from pathlib import Path
+
+    import zerofix
+
+    if args.zerofix:
+        zerofix.patch()
+    rank = int(os.environ.get("RANK", 0))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"rank": rank, "args": vars(args)}
+    try:
+        record.update(train(args))
+    except Exception as exc:  # noqa: BLE001 - recorded; the test decides
+        record["error"] = f"{type(exc).__name__}: {exc}"
+        record["traceback"] = traceback.format_exc()[-4000:]
+    record["status"] = {r.id: r.state for r in zerofix.status()}
+    (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+    finish()
+
+
 def finish() -> None:
     """End a rank whose results are written: barrier, destroy the process group, then leave without
     interpreter teardown. Left to interpreter exit, gloo's (and DeepSpeed's) threads sometimes die with

@@ -19,14 +19,14 @@ zerofix's ``gathered`` both call).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import traceback
 from pathlib import Path
 
-from zerofix.check.scenarios.trl_sft import VOCAB, count_head_gathers, make_model_dir
+from zerofix.check.scenarios import run_and_record
+from zerofix.check.scenarios.trl_grpo import prompts
+from zerofix.check.scenarios.trl_sft import count_head_gathers, make_model_dir
 
-PER_DEVICE, MAX_COMPLETION, PROMPT_WORDS, CHUNK = 2, 12, 4, 4
+PER_DEVICE, MAX_COMPLETION, CHUNK = 2, 12, 4
 WHOLE = 4096  # rows per chunk of the reference: more than any rank's completion tokens, one chunk per rank
 EOS = 2
 EOS_ROW_SCALE = 6.0  # the EOS row of both heads, scaled: completions end at different lengths
@@ -48,15 +48,6 @@ def make_models(root: Path) -> tuple[Path, Path]:
     return dirs[0], dirs[1]
 
 
-def prompts(n: int):
-    import torch
-    from datasets import Dataset
-
-    g = torch.Generator().manual_seed(11)
-    rows = [" ".join(f"t{int(i)}" for i in torch.randint(3, VOCAB, (PROMPT_WORDS,), generator=g)) for _ in range(n)]
-    return Dataset.from_dict({"prompt": rows})
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--student", required=True)
@@ -66,27 +57,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--zerofix", action="store_true")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    if args.zerofix:
-        import zerofix
-
-        zerofix.patch()
-    rank = int(os.environ.get("RANK", 0))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    record = {"rank": rank, "args": vars(args)}
-    try:
-        record.update(train(args))
-    except Exception as exc:  # noqa: BLE001 - recorded; the test decides
-        record["error"] = f"{type(exc).__name__}: {exc}"
-        record["traceback"] = traceback.format_exc()[-4000:]
-    import zerofix
-
-    record["status"] = {r.id: r.state for r in zerofix.status()}
-    (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
-    from zerofix.check.scenarios import finish
-
-    finish()
+    run_and_record(parser.parse_args(), train)
 
 
 def train(args) -> dict:

@@ -22,9 +22,7 @@ Every rank writes ``rank{r}.json``: the Trainer's log history (train loss, grad 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import traceback
 from pathlib import Path
 
 VOCAB, SEQ, SAMPLES, CHUNK = 64, 16, 16, 8
@@ -112,27 +110,9 @@ def main() -> None:
     parser.add_argument("--zerofix", action="store_true")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    if args.zerofix:
-        import zerofix
+    from zerofix.check.scenarios import run_and_record
 
-        zerofix.patch()
-    rank = int(os.environ.get("RANK", 0))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    record = {"rank": rank, "args": vars(args)}
-    try:
-        record.update(train(args))
-    except Exception as exc:  # noqa: BLE001 - a crash is the result the unpatched half asserts
-        record["error"] = f"{type(exc).__name__}: {exc}"
-        record["traceback"] = traceback.format_exc()[-4000:]
-    import zerofix
-
-    record["status"] = {r.id: r.state for r in zerofix.status()}
-    (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
-    from zerofix.check.scenarios import finish
-
-    finish()
+    run_and_record(parser.parse_args(), train)
 
 
 def train(args) -> dict:
