@@ -36,17 +36,17 @@ __all__ = ["chunked_divergence"]
 
 def _logits(h, weight, bias, scale, softcap, temperature, acc):
     """Logits of one chunk in the accumulation dtype (float32, or float64 for float64 inputs) divided by the
-    temperature, and d(x)/d(h @ W.T) per element (None: a constant, ``scale / temperature``)."""
+    temperature, and d(x)/d(h @ W.T): per element with a softcap, else the constant ``scale / temperature``."""
     z = (h.to(weight.dtype) @ weight.t()).to(acc)
     if bias is not None:
         z = z + bias.to(acc)
     if scale != 1.0:
         z = z * scale
-    slope = None
+    slope = scale / temperature
     if softcap is not None:
         tanh = torch.tanh(z / softcap)
         z = softcap * tanh
-        slope = (1.0 - tanh * tanh) * (scale / temperature)
+        slope = (1.0 - tanh * tanh) * slope
     if temperature != 1.0:
         z = z / temperature
     return z, slope
@@ -70,7 +70,8 @@ def _divergence_and_grad(s, t, beta):
 class _ChunkedDivergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, opt):
-        want_h, want_w, want_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], b_s is not None and ctx.needs_input_grad[2]
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_b = b_s is not None and ctx.needs_input_grad[2]
         n = h_s.shape[0]
         grad_h = torch.empty_like(h_s) if want_h else None
         acc = opt["acc"]
@@ -78,11 +79,10 @@ class _ChunkedDivergence(torch.autograd.Function):
         grad_b = torch.zeros(w_s.shape[0], dtype=acc, device=h_s.device) if want_b else None
         total = torch.zeros((), dtype=acc, device=h_s.device)
         entropy = torch.zeros((), dtype=acc, device=h_s.device)
-        scale_t = opt["temperature"]
         for start in range(0, n, opt["chunk_size"]):
             hs, ht = h_s[start:start + opt["chunk_size"]], h_t[start:start + opt["chunk_size"]]
-            x_s, slope = _logits(hs, w_s, b_s, opt["s_scale"], opt["s_softcap"], scale_t, acc)
-            x_t, _ = _logits(ht, w_t, b_t, opt["t_scale"], opt["t_softcap"], scale_t, acc)
+            x_s, slope = _logits(hs, w_s, b_s, opt["s_scale"], opt["s_softcap"], opt["temperature"], acc)
+            x_t, _ = _logits(ht, w_t, b_t, opt["t_scale"], opt["t_softcap"], opt["temperature"], acc)
             s = torch.log_softmax(x_s, dim=-1)
             t = torch.log_softmax(x_t, dim=-1)
             per, g, p_s = _divergence_and_grad(s, t, opt["beta"])
@@ -90,8 +90,8 @@ class _ChunkedDivergence(torch.autograd.Function):
             entropy -= (p_s * s).sum()
             if not (want_h or want_w or want_b):
                 continue
-            d = (g - p_s * g.sum(-1, keepdim=True)) * opt["weight"]  # dL/dx, times 1/denominator
-            d = d * slope if slope is not None else d * (opt["s_scale"] / scale_t)
+            # dL/dx through the log-softmax, times 1/denominator, then through the temperature, scale and softcap
+            d = (g - p_s * g.sum(-1, keepdim=True)) * (opt["weight"] * slope)
             if want_h:
                 grad_h[start:start + hs.shape[0]] = (d.to(w_s.dtype) @ w_s).to(h_s.dtype)
             if want_w:

@@ -180,66 +180,54 @@ def trl_sft(job, rows, nproc, out_dir, timeout):
 def trl_sft_uneven(job, rows, nproc, out_dir, timeout):
     """SFTTrainer, assistant-only masking that gives rank 0 one chunk and rank 1 three, TRL's chunked loss in a
     compute_loss that runs the decoder first (the scenario's ``r4``), against the same run with the full logits.
-    The patched run goes first: the unpatched one, which hangs on TRL 1.6 - 1.14, gets three times its time
-    (at least 30 s), then its ranks are killed and the row says so."""
-    import time
-
+    The unpatched run hangs on TRL 1.6 - 1.14 (``_uneven_row``)."""
     out_dir = Path(out_dir)
     model_dir = _tiny_llama(out_dir)
     config = trl_accelerate_config(out_dir)
 
-    def sft(name, loss_type, patched, limit):
+    def sft(variant, limit):
+        loss_type = "nll" if variant == "reference" else "chunked_nll"
         args = ["--model-dir", str(model_dir), "--path", "r4", "--loss-type", loss_type]
-        return launch.accelerate_launch(TRL_SFT, args + (["--zerofix"] if patched else []), config=config,
-                                        nproc=nproc, out_dir=out_dir / name, timeout=limit)
+        return launch.accelerate_launch(TRL_SFT, args + (["--zerofix"] if variant == "patched" else []),
+                                        config=config, nproc=nproc, out_dir=out_dir / variant, timeout=limit)
 
-    ref = sft("nll", "nll", False, timeout)
-    if any("error" in r for r in ref):
-        raise launch.LaunchError("the full-logits reference run failed", tail=_first_error(ref))
-    began = time.monotonic()
-    patched = sft("patched", "chunked_nll", True, timeout)
-    bound = max(30.0, 3 * (time.monotonic() - began))
-    try:
-        unpatched = trl_outcome(sft("unpatched", "chunked_nll", False, bound), ref)
-    except launch.LaunchError as exc:
-        if "timed out" not in str(exc):
-            raise
-        unpatched = {"error": f"hung: no result in {bound:.0f} s (3 x the patched run); the ranks were killed"}
-    row = rows[0]
-    return {row.name: {"unpatched": unpatched, "patched": trl_outcome(patched, ref),
-                       "applied": _applied(patched[0]["status"], row.fixes)}}
+    return _uneven_row(rows[0], sft, timeout, "the full-logits reference run failed")
 
 
 def trl_distill_uneven(job, rows, nproc, out_dir, timeout):
     """DistillationTrainer's own step, completions of different lengths on the ranks, 4 rows per chunk, against the
-    same run with one chunk per rank (the full logits of the counted tokens). The patched run goes first: the
-    unpatched one gets three times its time (at least 30 s); gloo aborts on the mismatched collectives (NCCL would
-    hang), and the row says which."""
-    import time
-
+    same run with one chunk per rank (the full logits of the counted tokens). The unpatched run's collectives stop
+    matching: gloo aborts, NCCL would hang (``_uneven_row``)."""
     from zerofix.check.scenarios import trl_distill as scenario
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+    _quiet_dir(out_dir)
     student, teacher = scenario.make_models(out_dir / "models")
     config = trl_accelerate_config(out_dir)
 
-    def distill(name, chunk, patched, limit):
+    def distill(variant, limit):
+        chunk = scenario.WHOLE if variant == "reference" else scenario.CHUNK
         args = ["--student", str(student), "--teacher", str(teacher), "--chunk", str(chunk)]
-        return launch.accelerate_launch(TRL_DISTILL, args + (["--zerofix"] if patched else []), config=config,
-                                        nproc=nproc, out_dir=out_dir / name, timeout=limit)
+        return launch.accelerate_launch(TRL_DISTILL, args + (["--zerofix"] if variant == "patched" else []),
+                                        config=config, nproc=nproc, out_dir=out_dir / variant, timeout=limit)
 
-    ref = distill("one-chunk", scenario.WHOLE, False, timeout)
+    return _uneven_row(rows[0], distill, timeout, "the one-chunk reference run failed")
+
+
+def _uneven_row(row, run, timeout, reference_failed):
+    """A row whose unpatched run may never finish: ``run(variant, limit)`` for "reference", "patched" (first) and
+    "unpatched", which gets three times the patched run's time (at least 30 s). A hang (then every rank is
+    killed) or gloo's abort on mismatched collectives is the unpatched result, said as such."""
+    import time
+
+    ref = run("reference", timeout)
     if any("error" in r for r in ref):
-        raise launch.LaunchError("the one-chunk reference run failed", tail=_first_error(ref))
+        raise launch.LaunchError(reference_failed, tail=_first_error(ref))
     began = time.monotonic()
-    patched = distill("patched", scenario.CHUNK, True, timeout)
+    patched = run("patched", timeout)
     bound = max(30.0, 3 * (time.monotonic() - began))
     try:
-        unpatched = trl_outcome(distill("unpatched", scenario.CHUNK, False, bound), ref)
+        unpatched = trl_outcome(run("unpatched", bound), ref)
     except launch.LaunchError as exc:
         if "timed out" in str(exc):
             unpatched = {"error": f"hung: no result in {bound:.0f} s (3 x the patched run); the ranks were killed"}
@@ -247,7 +235,6 @@ def trl_distill_uneven(job, rows, nproc, out_dir, timeout):
             unpatched = {"error": "crash: the ranks' collectives did not match (gloo aborted; NCCL would hang)"}
         else:
             raise
-    row = rows[0]
     return {row.name: {"unpatched": unpatched, "patched": trl_outcome(patched, ref),
                        "applied": _applied(patched[0]["status"], row.fixes)}}
 
@@ -291,11 +278,17 @@ def _tiny_llama(out_dir: Path) -> Path:
     """The TRL jobs' tiny Llama and tokenizer, saved under ``out_dir`` (which is created)."""
     from zerofix.check.scenarios import trl_sft as scenario
 
+    _quiet_dir(out_dir)
+    return scenario.make_model_dir(out_dir / "tiny-llama")
+
+
+def _quiet_dir(out_dir: Path) -> None:
+    """Create a TRL job's folder; models are saved there without save_pretrained's progress bar, which would
+    break check's own."""
     from transformers.utils import logging as hf_logging
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    hf_logging.disable_progress_bar()  # save_pretrained's bar would break check's own progress bar
-    return scenario.make_model_dir(out_dir / "tiny-llama")
+    hf_logging.disable_progress_bar()
 
 
 def _first_error(records) -> str:
