@@ -72,7 +72,7 @@ def test_a_typo_in_an_optional_setting_warns_and_keeps_fixing(env, words):
     proc = run_python("""
         import zerofix.activation as a, zerofix.patching as p
         a.autopatch()
-        print(sorted(p._enabled) == sorted(__import__("zerofix").catalogue.ids()))
+        print(sorted(p._enabled) == sorted(__import__("zerofix").catalogue.default_ids()))
     """, env={"ZEROFIX": "1", **env})
     assert proc.stdout.strip().endswith("True"), proc.stdout + proc.stderr
     assert proc.stderr.count("zerofix: warning:") == 1 and "patched nothing" not in proc.stderr, proc.stderr
@@ -210,5 +210,45 @@ def test_status_ends_with_the_answer_to_do_i_need_zerofix_here():
                          record("d", "not-affected")])
     assert line.startswith("3 known bug(s)") and "Fixed now: b" in line and "not enabled: a (enable with ZEROFIX=1" in line
     assert "the code changed shape: c" in line and " d" not in line
+    short = "accelerate-short-last-window"  # opt-in: named apart, before and after patch(), and counted
+    for state in ("inactive", "disabled"):
+        line = verdict_line([record("a", "inactive"), Record(short, state, "accelerate", "1.15.0", ">=1.1.1", "why")])
+        assert line.startswith("2 known bug(s)") and f"opt-in, applied only when named, because a right usage " \
+            f"looks the same: {short}" in line and "Not enabled: a (" in line, line
     out = zerofix_cli("status").stdout.strip().splitlines()
     assert out[-1].startswith("You do not need zerofix here") or "known bug(s) of the installed releases" in out[-1]
+
+
+OPT_IN = "accelerate-short-last-window"
+
+
+def test_opt_in_entries_apply_only_when_named():
+    """ZEROFIX=1 / patch() enable every default entry; an opt-in entry (a right usage looks like its bug) only
+    when named: ZEROFIX_OPT_IN, patch(opt_in=...), or an explicit list. status() says how to enable it."""
+    from zerofix import catalogue
+
+    assert OPT_IN in catalogue.ids() and OPT_IN not in catalogue.default_ids()
+    assert read_environment({"ZEROFIX": "1", "ZEROFIX_OPT_IN": f" {OPT_IN} "}).opt_in == (OPT_IN,)
+    with pytest.raises(ConfigError, match="ZEROFIX_OPT_IN"):
+        read_environment({"ZEROFIX": "1", "ZEROFIX_OPT_IN": "nope"})
+    proc = run_python("""
+        import zerofix, zerofix.activation as a, zerofix.patching as p
+        a.autopatch()
+        print("default", ID in p._enabled)
+        record = next(r for r in zerofix.status() if r.id == ID)
+        print("state", record.state, "ZEROFIX_OPT_IN=" + ID in record.reason)
+        zerofix.unpatch()
+        zerofix.patch(opt_in=[ID])
+        print("named", ID in p._enabled)
+        zerofix.unpatch()
+        zerofix.patch(fixes=[ID])
+        print("listed", sorted(p._enabled) == [ID])
+    """.replace("ID", repr(OPT_IN)), env={"ZEROFIX": "1"})
+    assert proc.stdout.split("\n")[-5:-1] == ["default False", "state disabled True", "named True", "listed True"], \
+        proc.stdout + proc.stderr
+    proc = run_python("""
+        import zerofix.activation as a, zerofix.patching as p
+        a.autopatch()
+        print(ID in p._enabled)
+    """.replace("ID", repr(OPT_IN)), env={"ZEROFIX": "1", "ZEROFIX_OPT_IN": OPT_IN})
+    assert proc.stdout.strip().endswith("True"), proc.stdout + proc.stderr

@@ -6,33 +6,40 @@ import pytest
 from zerofix.counter import FLUSH, FOLLOW, LAZY, PASS, STEP, MicroStepCounter
 
 
-def drive(calls, *, gas=1, explicit=None, upstream_accumulates=False, modes=None):
-    """Replay a loop: 'b' = backward, 's' = step(), 'r' = a gradient read that reduces a lazy window.
-    DeepSpeed's schedule is simulated like the engine: boundary when (micro_steps + 1) % gas == 0,
-    micro_steps advancing once per step(). ``explicit``: function of the backward index giving the flag
-    the loop sets (None: none). ``modes``: a list that receives each backward's (mode, carry)."""
-    counter, micro_steps, plans, backwards = MicroStepCounter(upstream_accumulates), 0, [], 0
-    flag = None
+def drive(calls, *, gas=1, explicit=None, may_take_over=None, modes=None, api=None):
+    """Replay a loop: 'b' = backward, 's' = step(), 'r' = a gradient read that reduces a lazy window,
+    'z' = zero_grad(). DeepSpeed's schedule is simulated like the engine: boundary when (micro_steps + 1) %
+    gas == 0, micro_steps advancing once per step(). ``may_take_over`` defaults to what the fix decides for
+    ZeRO-1/2 >= 0.17.6 (config GAS=1 only). ``explicit``: function of the backward index giving the flag the
+    loop sets (None: none). ``api``: function of the backward index telling whether it runs inside no_sync()
+    / coalesce_grad_reduction(). ``modes``: a list that receives each backward's (mode, carry). Returns the
+    counter, the step plans and, per step(), whether it was ambiguous."""
+    counter = MicroStepCounter(gas == 1 if may_take_over is None else may_take_over)
+    micro_steps, plans, backwards, flag, ambiguous = 0, [], 0, None, []
     for call in calls:
         if call == "r":
             if counter.needs_read_flush():
                 counter.flushed_for_read()
+        elif call == "z":
+            counter.zero_grad()
         elif call == "b":
             if explicit is not None:
                 flag = explicit(backwards)
-            plan = counter.plan_backward(explicit_boundary=flag)
+            plan = counter.plan_backward(explicit_boundary=flag, upstream_api=bool(api and api(backwards)))
             if modes is not None:
                 modes.append(tuple(plan))
             schedule = (micro_steps + 1) % gas == 0
             boundary = flag if flag is not None else plan.mode == FOLLOW and schedule
-            counter.backward(explicit_boundary=flag, mode=plan.mode, boundary=boundary, divisor=gas)
+            counter.backward(explicit_boundary=flag, mode=plan.mode, boundary=boundary)
             backwards += 1
         else:
-            plan = counter.plan_step(explicit_boundary=flag,
-                                     schedule_boundary=(micro_steps + 1) % gas == 0)
+            schedule = flag is None and (micro_steps + 1) % gas == 0
+            ambiguous.append(counter.ambiguous_step(explicit_boundary=flag, schedule_boundary=schedule))
+            plan = counter.plan_step(explicit_boundary=flag, schedule_boundary=schedule)
             plans.append(plan)
             counter.stepped(plan)
             micro_steps += 1
+    drive.ambiguous = ambiguous
     return counter, plans
 
 
@@ -42,9 +49,21 @@ def test_manual_accumulation_flushes_once_per_window():
     assert (counter.windows, counter.flushes, counter.pending, counter.steps) == (2, 2, 0, 2)
 
 
-def test_manual_accumulation_with_config_gas_does_not_wait_for_deepspeeds_count():
-    _, plans = drive("bbbs" * 2, gas=4)  # DeepSpeed alone would not step before 4 step() calls
-    assert [(p.action, p.micro_batches) for p in plans] == [(FLUSH, 3), (FLUSH, 3)]
+def test_several_backwards_per_step_at_config_gas_above_one_are_followed_and_flagged_ambiguous():
+    """Do no harm: at config GAS=4, "3 backwards then step()" is a manual loop whose step() DeepSpeed skips,
+    or DeepSpeed's own style with 3 backwards per micro-batch. Counts cannot tell: follow, and say so."""
+    modes = []
+    counter, plans = drive("bbbs" * 4, gas=4, modes=modes)
+    assert set(modes) == {(FOLLOW, False)}
+    assert [(p.action, p.micro_batches) for p in plans] == [(PASS, 0)] * 3 + [(PASS, 12)]
+    assert drive.ambiguous == [True, True, True, False]  # the 4th step() is DeepSpeed's boundary
+    assert (counter.windows, counter.flushes, counter.manual) == (1, 0, False)
+
+
+def test_two_backwards_per_micro_batch_in_deepspeeds_own_style_keep_its_optimizer_steps():
+    counter, plans = drive("bbs" * 8, gas=4)
+    assert [p.micro_batches for p in plans] == [0, 0, 0, 8] * 2  # one update per 4 step() calls
+    assert (counter.windows, counter.flushes) == (2, 0)
 
 
 def test_deepspeed_style_is_followed_never_taken_over():
@@ -55,6 +74,7 @@ def test_deepspeed_style_is_followed_never_taken_over():
     assert set(modes) == {(FOLLOW, False)}
     assert [p.action for p in plans] == [PASS] * 8
     assert [p.micro_batches for p in plans] == [0, 0, 0, 4] * 2
+    assert not any(drive.ambiguous)
     assert (counter.windows, counter.flushes, counter.manual) == (2, 0, False)
 
 
@@ -76,10 +96,42 @@ def test_manual_accumulation_is_taken_over_from_the_second_backward():
 def test_stages_that_accumulate_by_themselves_are_followed():
     """ZeRO-0/3 at config GAS=1 apply several backwards per step() correctly: no takeover."""
     modes = []
-    counter, plans = drive("bbbbs" * 2, upstream_accumulates=True, modes=modes)
+    counter, plans = drive("bbbbs" * 2, may_take_over=False, modes=modes)
     assert set(modes) == {(FOLLOW, False)}
     assert [(p.action, p.micro_batches) for p in plans] == [(PASS, 4), (PASS, 4)]
     assert (counter.windows, counter.flushes, counter.manual) == (2, 0, False)
+    assert not any(drive.ambiguous)
+
+
+@pytest.mark.parametrize("loop, inside", [
+    ("bbbbs", lambda i: True),  # coalesce_grad_reduction(): every backward of the window inside the block
+    ("bbbbs", lambda i: i < 3),  # no_sync() for all but the last backward (DeepSpeed's no_sync recipe)
+    ("bbbbs", lambda i: i > 0),  # the window's first backward before the block: still the user's window
+])
+def test_a_window_through_no_sync_or_coalesce_is_the_users(loop, inside):
+    modes = []
+    counter, plans = drive(loop * 2, modes=modes, api=lambda i: inside(i % 4))
+    assert set(modes) == {(FOLLOW, False)}
+    assert [(p.action, p.micro_batches) for p in plans] == [(PASS, 4), (PASS, 4)]
+    assert (counter.flushes, counter.manual) == (0, False)
+
+
+def test_no_sync_windows_separated_by_zero_grad_are_followed():
+    """DeepSpeed's test_multiple_ctxts: two no_sync windows, zero_grad between, no step()."""
+    modes = []
+    counter, _ = drive("bbbb" + "z" + "bbbb", modes=modes, api=lambda i: True)
+    assert set(modes) == {(FOLLOW, False)}
+    assert (counter.pending, counter.zero_grads, counter.manual) == (4, 1, False)
+
+
+def test_zero_grad_starts_a_new_window_that_must_show_two_backwards_again():
+    modes = []
+    counter, plans = drive("bbbbs" + "bbz" + "bs" + "bbs", modes=modes)
+    assert modes[4:6] == [(LAZY, False), (LAZY, False)]  # a manual engine: lazy from the window's start
+    assert modes[6] == (FOLLOW, False)  # after zero_grad(): DeepSpeed's boundary, as without zerofix
+    assert modes[7:] == [(FOLLOW, False), (LAZY, True)]
+    assert [(p.action, p.micro_batches) for p in plans] == [(FLUSH, 4), (PASS, 1), (FLUSH, 2)]
+    assert counter.zero_grads == 1
 
 
 def test_a_read_reduces_the_window_and_step_only_steps():
@@ -104,6 +156,7 @@ def test_explicit_boundaries_are_left_to_deepspeed():
     counter, plans = drive("bbbbs" * 2, explicit=lambda i: i % 4 == 3)
     assert [(p.action, p.micro_batches) for p in plans] == [(PASS, 4), (PASS, 4)]
     assert (counter.windows, counter.flushes) == (2, 0)
+    assert not any(drive.ambiguous)
 
 
 def test_explicit_non_boundary_step_keeps_the_window_open():
@@ -122,30 +175,10 @@ def test_a_backward_after_an_explicit_boundary_is_reported():
     assert counter.backward(explicit_boundary=True, boundary=True) is False  # a new window
 
 
-def test_mixed_styles_close_the_window_with_everything_pending():
-    # GAS=4 schedule: backward+step (non-boundary), then two backwards and a step: 3 micro-batches.
-    counter, plans = drive(["b", "s", "b", "b", "s"], gas=4)
-    assert [(p.action, p.micro_batches) for p in plans] == [(PASS, 0), (FLUSH, 3)]
-    assert counter.pending == 0
-
-
 def test_step_without_backward_has_nothing_to_close():
     counter, plans = drive("s", gas=1)
     assert plans[0].action == PASS and plans[0].micro_batches == 0
     assert counter.windows == 0
-
-
-@pytest.mark.parametrize("divisors, window, expected", [
-    ({4}, 3, 4),  # DeepSpeed divided by 4, the window has 3
-    ({4}, 4, None),
-    ({1}, 3, None),  # nothing divided: the user's own scaling
-    ({1, 4}, 4, None),  # mixed scale_wrt_gas: no single claim to make
-])
-def test_scale_mismatch(divisors, window, expected):
-    counter = MicroStepCounter()
-    for d in divisors:
-        counter.backward(explicit_boundary=None, divisor=d)
-    assert counter.scale_mismatch(window) == expected
 
 
 def test_counter_is_plain_python():

@@ -59,18 +59,19 @@ class Zero12Buckets(Zero12Buckets1715):  # >= 0.18.3
 
 
 @pytest.mark.parametrize("engine, stage, eligible, why", [
-    (Engine(object()), 0, True, "allreduce"),
-    (Engine(object(), fp16=True), 0, False, "fp16"),
-    (Engine(object(), bf16=True), 0, True, "ZeRO-0"),  # BF16_Optimizer: measured exact on CPU, 0.15.4 - 0.19.8
+    # ZeRO-0/3 accumulate several backwards per step() by themselves at config GAS=1; at GAS > 1 a manual
+    # loop cannot be told from DeepSpeed's own style with several backwards per micro-batch: never taken over
+    (Engine(object()), 0, False, "accumulate by themselves"),
+    (Engine(object(), bf16=True), 0, False, "ZeRO-0"),
     (Engine(Zero12()), 1, True, "bucket"),
     (Engine(Zero12()), 2, True, "bucket"),
-    (Engine(Offloaded()), 2, False, "offload"),
+    (Engine(Offloaded()), 2, False, "offload"),  # the offload path's API is missing from this fake
     (Engine(Zero12Buckets1718()), 2, False, "without deepspeed-zero12-accumulator"),
     (Engine(Zero12Buckets1715()), 2, True, "bucket"),
     (Engine(Zero12Buckets1718()), 1, True, "bucket"),
     (Engine(Zero12Buckets()), 2, True, "bucket"),
     (Engine(object()), 2, False, "not measured"),  # an optimizer without ZeRO-1/2's reduction API
-    (Engine(object()), 3, True, "flag"),
+    (Engine(object()), 3, False, "ZeRO-3"),
     (Engine(Zero12(), managed=False), 2, False, "managed_gradient_accumulation"),
     (Engine(Zero12(), pipeline=True), 2, False, "pipeline"),
     (Engine(Zero12(), flag=False), 2, False, "_is_gradient_accumulation_boundary"),

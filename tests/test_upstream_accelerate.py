@@ -18,6 +18,8 @@ from importlib import metadata
 
 import pytest
 
+from zerofix import catalogue
+
 pytestmark = [pytest.mark.distributed, pytest.mark.stack("latest", "2026-04")]
 
 SUITE = ("tests/test_grad_sync.py", "tests/test_optimizer.py", "tests/test_state_checkpointing.py",
@@ -32,11 +34,12 @@ def pytest_sessionfinish(session):
         json.dump({r.id: r.state for r in zerofix.status()}, f)
 """
 
-# accelerate's own tests/test_sync.py asserts that the short last window of an epoch gets loss / GAS per
-# micro-batch (its manual reference divides by GAS too): the behaviour accelerate-short-last-window changes on
-# purpose (the window's mean; docs/fixes.md). With it applied, test_gradient_sync_cpu_multi fails on its
-# last iteration (measured on 1.15.0); every other entry must leave every outcome as it was.
-CHANGES_ON_PURPOSE = "accelerate-short-last-window"
+# accelerate's own tests/test_grad_sync.py asserts that the short last window of an epoch gets loss / GAS per
+# micro-batch (its manual reference divides by GAS too), which is also what its guide's per-window loss
+# normalisation relies on: accelerate-short-last-window, which changes it, is opt-in, so plain ZEROFIX=1 must
+# leave every outcome as it was. Opted in, test_gradient_sync_cpu_multi fails on its last iteration (measured
+# on 1.15.0): the reason it is opt-in.
+OPT_IN = {fix.id for fix in catalogue.FIXES if fix.opt_in}
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +88,15 @@ GRPO = {"trl-grpo-window-normalisation", "trl-gspo-token-window-normalisation"}
 def test_accelerate_suite_outcomes_are_identical_with_zerofix(suite, tmp_path):
     root, plugin_dir = suite
     off = start(root, plugin_dir, tmp_path, "off", {})
-    on = start(root, plugin_dir, tmp_path, "on", {"ZEROFIX": "1", "ZEROFIX_DISABLE": CHANGES_ON_PURPOSE})
+    on = start(root, plugin_dir, tmp_path, "on", {"ZEROFIX": "1"})  # what a user sets: no exclusion
     without, states_off = outcomes(off)
     with_zerofix, states_on = outcomes(on)
     assert set(states_off.values()) <= {"inactive", "not-affected", "not-installed"}, states_off
     # GRPO's entries wait for trl.trainer.grpo_trainer, which the plugin cannot import without requests
     # (not on the stacks that run this test); every other entry in range is applied.
-    in_range = {fix for fix, state in states_off.items() if state == "inactive"} - {CHANGES_ON_PURPOSE} - GRPO
+    in_range = {fix for fix, state in states_off.items() if state == "inactive"} - OPT_IN - GRPO
     assert in_range and all(states_on[fix] == "applied" for fix in in_range), states_on
+    assert all(states_on[fix] in ("disabled", "not-affected") for fix in OPT_IN), states_on
     assert all(states_on[fix] in ("applied", "pending-import", "not-affected") for fix in GRPO), states_on
     assert sum(outcome == "passed" for outcome in without.values()) >= 40, without  # the suite really ran
     assert with_zerofix == without

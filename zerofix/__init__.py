@@ -7,12 +7,14 @@ __version__ = "0.1.0"
 __all__ = ["patch", "unpatch", "status", "gathered", "chunked_cross_entropy", "StrictError", "__version__"]
 
 
-def patch(fixes=None, exclude=(), *, strict=None):
-    """Enable zerofix's fixes (all by default; ``fixes``/``exclude`` take lists of fix ids).
+def patch(fixes=None, exclude=(), *, opt_in=(), strict=None):
+    """Enable zerofix's fixes (``fixes``/``exclude``/``opt_in`` take lists of fix ids).
 
-    Each fix is applied only where its library is installed and its version is in the affected range;
-    fixes for libraries not imported yet are applied when their defining submodule is imported.
-    Returns the status records. Calling it twice is a no-op. Unknown ids raise ``ValueError``.
+    By default every entry but the opt-in ones (entries that cannot tell their bug from a right usage:
+    ``zerofix status`` says which and why); ``opt_in`` adds those named. Each fix is applied only where its
+    library is installed and its version is in the affected range; fixes for libraries not imported yet are
+    applied when their defining submodule is imported. Returns the status records. Calling it twice is a
+    no-op. Unknown ids raise ``ValueError``.
     """
     from zerofix import patching
 
@@ -20,7 +22,7 @@ def patch(fixes=None, exclude=(), *, strict=None):
         from zerofix.activation import strict_from_environment
 
         strict = strict_from_environment()
-    patching.patch(fixes, exclude, strict=strict)
+    patching.patch(fixes, exclude, opt_in=opt_in, strict=strict)
     return patching.status()
 
 

@@ -2,13 +2,14 @@
 
 Precedence: explicit ``zerofix.patch()`` arguments > environment > defaults. Variables:
 
-- ``ZEROFIX``: ``1``/``all``/``true``/``on`` = every fix; a comma list of fix ids = those;
+- ``ZEROFIX``: ``1``/``all``/``true``/``on`` = every default fix; a comma list of fix ids = those;
   ``0``/``false``/``off``/unset = off (under ``zerofix run`` unset means on).
 - ``ZEROFIX_DISABLE``: comma list of fix ids to leave alone.
+- ``ZEROFIX_OPT_IN``: comma list of opt-in fix ids to apply too (``ZEROFIX=1`` applies every entry but those).
 - ``ZEROFIX_LOG``: ``debug``/``info``/``warning``: log zerofix's decisions to stderr at that level.
 - ``ZEROFIX_STRICT``: ``1`` raises when a fix's target changed instead of skipping it.
 
-A malformed ``ZEROFIX`` or ``ZEROFIX_DISABLE`` gets one warning naming the valid forms, and nothing is
+A malformed ``ZEROFIX``, ``ZEROFIX_DISABLE`` or ``ZEROFIX_OPT_IN`` gets one warning naming the valid forms, and nothing is
 patched (which fixes were meant is unclear). A malformed ``ZEROFIX_LOG`` or ``ZEROFIX_STRICT`` only
 warns and falls back to its default: a typo in a log level must not turn the fixes off. Nothing here
 may raise into interpreter start-up.
@@ -30,11 +31,12 @@ class ConfigError(ValueError):
 
 class Settings(NamedTuple):
     enabled: bool
-    fixes: tuple[str, ...] | None  # None = every fix
+    fixes: tuple[str, ...] | None  # None = every default fix (not the opt-in ones)
     disable: tuple[str, ...]
     log_level: str | None
     strict: bool
     warnings: tuple[str, ...] = ()  # malformed optional settings, replaced by their defaults
+    opt_in: tuple[str, ...] = ()
 
 
 def _id_list(name: str, value: str) -> tuple[str, ...]:
@@ -43,7 +45,7 @@ def _id_list(name: str, value: str) -> tuple[str, ...]:
     items = tuple(v.strip() for v in value.split(",") if v.strip())
     unknown = [v for v in items if v not in catalogue.ids()]
     if unknown or not items:
-        forms = (f"Valid forms: {name}=1 (all fixes), {name}=0 (off), or a comma list of: " if name == "ZEROFIX"
+        forms = (f"Valid forms: {name}=1 (every default fix), {name}=0 (off), or a comma list of: " if name == "ZEROFIX"
                  else f"Valid form: {name}=a comma list of fix ids, from: ")
         raise ConfigError(
             f"{name}={value!r} is not valid: unknown fix id(s) {', '.join(unknown) or '(none given)'}. "
@@ -68,6 +70,8 @@ def read_environment(environ=None, *, default_on: bool = False) -> Settings:
 
     disable_raw = env.get("ZEROFIX_DISABLE", "").strip()
     disable = _id_list("ZEROFIX_DISABLE", disable_raw) if disable_raw else ()
+    opt_in_raw = env.get("ZEROFIX_OPT_IN", "").strip()
+    opt_in = _id_list("ZEROFIX_OPT_IN", opt_in_raw) if opt_in_raw else ()
 
     warnings = []
     log_raw = env.get("ZEROFIX_LOG", "").strip().lower()
@@ -80,7 +84,7 @@ def read_environment(environ=None, *, default_on: bool = False) -> Settings:
         warnings.append(f"ZEROFIX_STRICT={env.get('ZEROFIX_STRICT')!r} is not valid (use 1 or 0); not strict, "
                         "the fixes still apply")
         strict_raw = ""
-    return Settings(enabled, fixes, disable, log_raw or None, strict_raw in ALL, tuple(warnings))
+    return Settings(enabled, fixes, disable, log_raw or None, strict_raw in ALL, tuple(warnings), opt_in)
 
 
 _warned = False
@@ -141,7 +145,7 @@ def autopatch(*, default_on: bool = False):
     from zerofix.errors import StrictError
 
     try:
-        patching.patch(settings.fixes, settings.disable, strict=settings.strict)
+        patching.patch(settings.fixes, settings.disable, opt_in=settings.opt_in, strict=settings.strict)
         return settings
     except StrictError:
         raise

@@ -39,26 +39,40 @@ def _status(args) -> int:
     return 0
 
 
+OPT_IN = "opt-in"  # verdict_line's group of in-range opt-in entries not applied
+
+
 def verdict_line(records) -> str:
     """The answer to "do I need zerofix here?", from the status records."""
-    from zerofix import patching
+    from zerofix import catalogue, patching
+    from zerofix.versions import version_in_range
+
+    opt_in = {f.id for f in catalogue.FIXES if f.opt_in}
+
+    def group(record) -> str:
+        waiting = record.state in (patching.INACTIVE, patching.DISABLED)
+        if waiting and record.id in opt_in and record.installed and version_in_range(record.installed, record.affected):
+            return OPT_IN
+        return record.state
 
     groups = (
         (patching.APPLIED, "fixed now: {}"),
         (patching.PENDING, "enabled, applied when the library is imported: {}"),
         (patching.INACTIVE, "not enabled: {} (enable with ZEROFIX=1, zerofix.patch() or 'zerofix run -- <launcher>')"),
+        (OPT_IN, "opt-in, applied only when named, because a right usage looks the same: {} (see its reason; "
+                 "ZEROFIX_OPT_IN=<id> or zerofix.patch(opt_in=[...]))"),
         (patching.TARGET_CHANGED, "not applied, the code changed shape: {} (see the reason)"),
         (patching.FAILED, "not applied, applying failed: {} (see the reason)"),
     )
     parts = []
     for state, text in groups:
-        ids = [r.id for r in records if r.state == state]
+        ids = [r.id for r in records if group(r) == state]
         if ids:
             parts.append(text.format(", ".join(ids)))
     if not parts:
         return ("You do not need zerofix here: no installed release is in an affected range "
                 "('zerofix check' proves the stack with real runs).")
-    count = sum(r.state in {s for s, _ in groups} for r in records)
+    count = sum(group(r) in {s for s, _ in groups} for r in records)
     details = "; ".join(parts)
     return f"{count} known bug(s) of the installed releases concern this environment. {details[0].upper()}{details[1:]}."
 

@@ -117,27 +117,36 @@ def _resolve(target: catalogue.Target):
 
 
 # ----------------------------------------------------------------------------- selection
-def select(fixes=None, exclude=()) -> tuple[list[str], set[str]]:
-    """Validate ids before anything is touched: unknown ids raise ValueError listing the valid ones."""
+def select(fixes=None, exclude=(), opt_in=()) -> tuple[list[str], set[str]]:
+    """Validate ids before anything is touched: unknown ids raise ValueError listing the valid ones.
+    ``fixes=None`` means every default entry plus the ``opt_in`` ones; a list means exactly those."""
     valid = catalogue.ids()
     exclude = () if exclude is None else exclude
-    if isinstance(fixes, str) or isinstance(exclude, str):
-        raise TypeError("fixes and exclude take a list of fix ids, e.g. patch(fixes=['%s'])" % valid[0])
-    wanted = list(valid) if fixes is None else list(dict.fromkeys(fixes))
+    opt_in = () if opt_in is None else opt_in
+    if isinstance(fixes, str) or isinstance(exclude, str) or isinstance(opt_in, str):
+        raise TypeError("fixes, exclude and opt_in take a list of fix ids, e.g. patch(fixes=['%s'])" % valid[0])
+    wanted = [f for f in valid if f in catalogue.default_ids() or f in opt_in] if fixes is None \
+        else list(dict.fromkeys(fixes))
     excluded = set(exclude)
-    unknown = (set(wanted) | excluded) - set(valid)
+    unknown = (set(wanted) | excluded | set(opt_in)) - set(valid)
     if unknown:
         raise catalogue.unknown_ids_error(unknown)
     return [f for f in wanted if f not in excluded], excluded
 
 
-def patch(fixes=None, exclude=(), *, strict: bool = False) -> None:
-    """Enable fixes (all by default). Fixes whose modules are imported are applied now, the others
-    when their defining submodule is imported. Calling it again is a no-op for enabled fixes, except
-    that an explicit ``exclude`` wins over an earlier patch() or the environment: those fixes are
-    unpatched. Returns nothing: status() would read package metadata, which start-up must not pay for.
-    ``strict`` comes resolved: the package face and ``activation`` read ``ZEROFIX_STRICT``."""
-    selected, excluded = select(fixes, exclude)
+def _opt_in_reason(fix: catalogue.Fix) -> str:
+    return (f"opt-in, not applied unless named: {fix.opt_in}. Enable it with zerofix.patch(opt_in=['{fix.id}']) "
+            f"or ZEROFIX_OPT_IN={fix.id}")
+
+
+def patch(fixes=None, exclude=(), *, opt_in=(), strict: bool = False) -> None:
+    """Enable fixes (every default entry, plus the ``opt_in`` ones, when ``fixes`` is None). Fixes whose
+    modules are imported are applied now, the others when their defining submodule is imported. Calling it
+    again is a no-op for enabled fixes, except that an explicit ``exclude`` wins over an earlier patch() or
+    the environment: those fixes are unpatched. Returns nothing: status() would read package metadata, which
+    start-up must not pay for. ``strict`` comes resolved: the package face and ``activation`` read
+    ``ZEROFIX_STRICT``."""
+    selected, excluded = select(fixes, exclude, opt_in)
     with _lock:
         for fix_id in [f for f in catalogue.ids() if f in excluded and f in _enabled]:
             _disable(fix_id)
@@ -145,7 +154,8 @@ def patch(fixes=None, exclude=(), *, strict: bool = False) -> None:
             if fix.id in _enabled:
                 continue
             if fix.id not in selected:
-                why = "excluded" if fix.id in excluded else "not selected"
+                why = ("excluded" if fix.id in excluded else _opt_in_reason(fix) if fix.opt_in and fixes is None
+                       else "not selected")
                 _records[fix.id] = Record(fix.id, DISABLED, fix.dist, None, fix.affected, why)
                 continue
             _enabled[fix.id] = strict
@@ -302,9 +312,10 @@ def status() -> list[Record]:
                 if guard is not None and (record is None or record.state == PENDING):
                     record = guard
                 elif record is None:
+                    enable = (f"opt-in: {fix.opt_in}; enable with zerofix.patch(opt_in=['{fix.id}']) or "
+                              f"ZEROFIX_OPT_IN={fix.id}" if fix.opt_in else "enable with zerofix.patch() or ZEROFIX=1")
                     record = Record(fix.id, INACTIVE, fix.dist, None, fix.affected,
-                                    f"{fix.dist} {version} is in the affected range {fix.affected}; "
-                                    "enable with zerofix.patch() or ZEROFIX=1")
+                                    f"{fix.dist} {version} is in the affected range {fix.affected}; {enable}")
                 record = record._replace(installed=version)
             elif record.state == APPLIED:
                 details = getattr(sys.modules.get(fix.implementation), "runtime_details", None)

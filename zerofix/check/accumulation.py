@@ -12,7 +12,15 @@ Loop styles (2 windows unless noted):
   d  3 backwards then step()
   e  (a) with gradient clipping on
   f  (b) with gradient clipping on
+  g  (b) with two backwards per micro-batch: two losses, 0.25 and 0.75 of the micro-batch's loss, each from
+     its own forward, step() after the second (DeepSpeed's own style with several backwards per micro-batch;
+     a ``retain_graph=True`` backward cannot run twice under ZeRO-3 on CPU, with or without zerofix)
   short  an epoch of 10 micro-batches in windows of 4: the last window has 2 (config GAS=1)
+  coalesce  (a) inside ``with engine.coalesce_grad_reduction():`` (DeepSpeed >= 0.19.7, ZeRO-1/2/3)
+  nosync  3 backwards inside ``with engine.no_sync():``, the 4th outside, step() (ZeRO-0/1, DeepSpeed >= 0.16)
+  zg  DeepSpeed's ``test_multiple_ctxts``, then a step(): 4 backwards inside no_sync(), ``zero_grad()``,
+      3 inside no_sync() and one outside, step(): the update is the last 4 micro-batches' (windows of 8)
+  z  a backward, ``zero_grad()``, 3 backwards, step(): the update is the last 3 micro-batches'
 With config GAS=1 the loop divides each loss by its window's length itself (as open-instruct does);
 with config GAS=K DeepSpeed divides by K (``scale_wrt_gas``), whatever the window's length. A cell with
 ``scale_wrt_gas=False`` divides by K itself and tells DeepSpeed not to, as the Trainer does.
@@ -23,9 +31,15 @@ from typing import NamedTuple
 
 from zerofix.versions import version_in_range
 
-STYLES = ("a", "b", "c", "d", "e", "f", "short")
-OWN_STYLES = ("b", "f")  # backward + step() per micro-batch
+STYLES = ("a", "b", "c", "d", "e", "f", "g", "short", "coalesce", "nosync", "zg", "z")
+OWN_STYLES = ("b", "f", "g")  # backward + step() per micro-batch
+# several unflagged backwards per step(), outside DeepSpeed's no_sync() / coalesce_grad_reduction()
+MANUAL_STYLES = ("a", "d", "e", "short", "z")
+UPSTREAM_API_STYLES = ("coalesce", "nosync", "zg")  # several backwards per step() through DeepSpeed's own API
 CORRECT, LAST, NOOP, DOUBLE, TRIPLE, ERROR = "correct", "last", "noop", "double", "triple", "error"
+# DeepSpeed's own style with two backwards per micro-batch under ZeRO-1/2: the window's last micro-batch runs
+# both its backwards as boundaries and the second replaces the first (update error 0.9, measured 0.19.8)
+TWICE = "twice"
 # ZeRO-1/2 optimizer offload: only each window's first and last micro-batch survive (ENDS), every one but
 # the first (TAIL), or an update no simple rule describes (WRONG: far from both CORRECT and LAST); see
 # known_unpatched()
@@ -86,23 +100,46 @@ MICRO_BATCH = 2  # samples per rank per micro-step
 def window_lengths(cell: Cell) -> list[int]:
     if cell.style == "short":
         return [4, 4, 2]
-    return [cell.length or (3 if cell.style == "d" else 4)] * cell.windows
+    return [cell.length or {"d": 3, "zg": 8}.get(cell.style, 4)] * cell.windows
+
+
+def counted(cell: Cell, steps: list[int]) -> list[int]:
+    """The micro-steps of a window whose gradients its update applies (``zero_grad()`` discards the rest)."""
+    return {"zg": steps[4:], "z": steps[1:]}.get(cell.style, steps)
 
 
 def ops(cell: Cell) -> list[tuple]:
-    """("backward", micro_step, loss_divisor, explicit_boundary or None) and ("step", window_done)."""
+    """("backward", micro_step, loss_divisor, explicit_boundary or None, share of the micro-batch's loss),
+    ("step", window_done), ("enter", "no_sync" | "coalesce"), ("exit",) and ("zero_grad",)."""
     out, m = [], 0
     for length in window_lengths(cell):
         m = 0 if cell.repeat else m
-        divisor = (length if cell.gas == 1 and not cell.own_style else 1) * (1 if cell.scale_wrt_gas else cell.gas)
-        for i in range(length):
-            explicit = (i == length - 1) if cell.style == "c" else None
-            out.append(("backward", m, divisor, explicit))
-            m += 1
-            if cell.own_style:
-                out.append(("step", i == length - 1))
-        if not cell.own_style:
-            out.append(("step", True))
+        steps = list(range(m, m + length))
+        m += length
+        kept = len(counted(cell, steps))
+        divisor = (kept if cell.gas == 1 and not cell.own_style else 1) * (1 if cell.scale_wrt_gas else cell.gas)
+
+        def backward(s, share=1.0):
+            explicit = (s == steps[-1]) if cell.style == "c" else None
+            return ("backward", s, divisor, explicit, share)
+
+        if cell.style == "g":
+            for s in steps:
+                out += [backward(s, 0.25), backward(s, 0.75), ("step", s == steps[-1])]
+        elif cell.own_style:
+            for s in steps:
+                out += [backward(s), ("step", s == steps[-1])]
+        elif cell.style == "coalesce":
+            out += [("enter", "coalesce"), *map(backward, steps), ("exit",), ("step", True)]
+        elif cell.style == "nosync":
+            out += [("enter", "no_sync"), *map(backward, steps[:-1]), ("exit",), backward(steps[-1]), ("step", True)]
+        elif cell.style == "zg":
+            out += [("enter", "no_sync"), *map(backward, steps[:4]), ("exit",), ("zero_grad",),
+                    ("enter", "no_sync"), *map(backward, steps[4:-1]), ("exit",), backward(steps[-1]), ("step", True)]
+        elif cell.style == "z":
+            out += [backward(steps[0]), ("zero_grad",), *map(backward, steps[1:]), ("step", True)]
+        else:
+            out += [*map(backward, steps), ("step", True)]
     return out
 
 
@@ -115,14 +152,17 @@ def updates(cell: Cell, semantics: str = CORRECT) -> list[list[list[tuple[int, f
     result, m = [], 0
     for length in window_lengths(cell):
         m = 0 if cell.repeat else m
-        steps = list(range(m, m + length))
+        steps = counted(cell, list(range(m, m + length)))
         m += length
         if semantics == NOOP:
             result.append([])
         elif cell.own_style and cell.gas == 1:
             result.append([[(s, 1.0)] for s in steps])
         else:
-            divisor = (length if cell.gas == 1 else 1) * cell.gas ** (1 + EXTRA_DIVISIONS.get(semantics, 0))
+            divisor = (len(steps) if cell.gas == 1 else 1) * cell.gas ** (1 + EXTRA_DIVISIONS.get(semantics, 0))
+            if semantics == TWICE:  # only the last micro-batch's last share (0.75, ops()) survives
+                result.append([[(steps[-1], 0.75 / divisor)]])
+                continue
             kept = {LAST: steps[-1:], ENDS: steps[:1] + steps[-1:], TAIL: steps[1:]}.get(semantics, steps)
             result.append([[(s, 1.0 / divisor) for s in kept]])
     return result
@@ -177,14 +217,19 @@ def takeover_probes(deepspeed_version: str) -> list[Cell]:
             and zerofix_takes_over(Cell(stage, gas, "a", offload=offload), deepspeed_version)]
 
 
+def engine_may_take_over(cell: Cell, deepspeed_version: str) -> bool:
+    """Whether deepspeed-manual-accumulation is active on the cell's engine: ZeRO-1/2 at config GAS=1 where a
+    boundary replaces the reduced gradient (from 0.17.6; with optimizer offload on every release). At config
+    GAS > 1 a manual loop looks like DeepSpeed's own style with several backwards per micro-batch; ZeRO-0/3
+    and ZeRO-1/2 before 0.17.6 accumulate by themselves at GAS=1."""
+    replaces = cell.offload or version_in_range(deepspeed_version, ">=0.17.6")
+    return cell.stage in (1, 2) and cell.gas == 1 and replaces
+
+
 def zerofix_takes_over(cell: Cell, deepspeed_version: str) -> bool:
     """Whether deepspeed-manual-accumulation reduces the cell's windows itself: several unflagged backwards
-    per step(), where DeepSpeed does not accumulate them by itself (at config GAS=1, ZeRO-0/3 do, and
-    ZeRO-1/2 before 0.17.6, whose epilogue adds every boundary's reduction)."""
-    manual = cell.style in ("a", "d", "e", "short")
-    # with optimizer offload every boundary replaces the fp32 partition's gradient
-    accumulates = not cell.offload and (cell.stage in (0, 3) or not version_in_range(deepspeed_version, ">=0.17.6"))
-    return manual and not (cell.gas == 1 and accumulates)
+    per step() outside DeepSpeed's no_sync() / coalesce_grad_reduction(), on an engine it is active on."""
+    return cell.style in MANUAL_STYLES and engine_may_take_over(cell, deepspeed_version)
 
 
 def output_hook_divides_twice(cell: Cell, deepspeed_version: str) -> bool:
@@ -220,9 +265,11 @@ def known_unpatched(cell: Cell, deepspeed_version: str) -> str:
     the output hook divides once or twice more than meant; optimizer offload: _offload_unpatched()."""
     from packaging.version import Version
 
-    manual = cell.style in ("a", "d", "e", "short")  # several unflagged backwards per step()
+    manual = cell.style in MANUAL_STYLES  # several unflagged backwards per step()
     if manual and cell.gas > 1:
         return NOOP
+    if cell.style == "g" and cell.stage in (1, 2):  # the micro-batch's second boundary backward replaces
+        return TWICE
     if cell.offload:
         return _offload_unpatched(cell, deepspeed_version, manual)
     if accumulator_restarts(deepspeed_version):
@@ -264,8 +311,35 @@ def offload_cells() -> list[Cell]:
 
 
 def known_patched(cell: Cell, deepspeed_version: str) -> str:
-    """With every DeepSpeed fix applied: every window applied, every gradient divided once."""
-    return CORRECT
+    """With every DeepSpeed fix applied: every window applied, every gradient divided once, except where
+    zerofix follows DeepSpeed because a right usage looks the same: several backwards per step() at config
+    GAS > 1 (NOOP), and ZeRO-1/2's own style with several backwards per micro-batch (TWICE)."""
+    unpatched = known_unpatched(cell, deepspeed_version)
+    return unpatched if unpatched in (NOOP, TWICE) else CORRECT
+
+
+def ambiguity_cells(deepspeed_version: str) -> list[Cell]:
+    """deepspeed-manual-accumulation's ambiguity list as loops, probed where DeepSpeed gets them right (every
+    observable must be DeepSpeed's): several backwards per step() at config GAS=4 (DeepSpeed's own style
+    with several backwards per micro-batch looks the same), two backwards per micro-batch in DeepSpeed's own
+    style, coalesce_grad_reduction() (>= 0.19.7), no_sync() and DeepSpeed's test_multiple_ctxts (>= 0.16),
+    and zero_grad() between backwards (taken over, the discarded micro-batch stays discarded)."""
+    from packaging.version import Version
+
+    v = Version(deepspeed_version)
+    cells = [Cell(stage, 4, "a", probe=True) for stage in (0, 1, 2, 3)]
+    cells += [Cell(stage, 4, "g", probe=stage in (0, 3)) for stage in (0, 1, 2, 3)
+              if stage in (0, 3) or not accumulator_restarts(deepspeed_version)]
+    cells += [Cell(0, 4, "g", "adamw", probe=True), Cell(3, 4, "g", "adamw", probe=True)]
+    if v >= Version("0.19.7"):
+        cells += [Cell(stage, 1, "coalesce", opt, probe=True) for stage in (1, 2, 3) for opt in ("sgd", "adamw")]
+        cells += [Cell(2, 1, "coalesce", probe=True, overlap_comm=True)]
+        cells += [Cell(stage, 1, "coalesce", probe=True, offload=True) for stage in (1, 2)]
+    if v >= Version("0.16.0"):
+        cells += [Cell(stage, 1, style, probe=True) for stage in (0, 1) for style in ("nosync", "zg")]
+    if v >= Version("0.18.3"):
+        cells += [Cell(stage, 1, "z") for stage in (1, 2)]
+    return cells
 
 
 def extra_cells() -> list[Cell]:

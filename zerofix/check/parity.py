@@ -54,13 +54,15 @@ ACCELERATE_LOOP = "zerofix.check.scenarios.accelerate_loop"
 
 def accelerate_cells(out_dir, cells, *, nproc: int = 1, zero_stage: int | None = None, lr: float = 5.0,
                      zerofix: str = "both", env=None, python: str = sys.executable, timeout: float = 900,
-                     ds_config: dict | None = None) -> dict:
+                     ds_config: dict | None = None, opt_in=()) -> dict:
     """Plain ``accelerator.accumulate`` loops (dicts: name, model, gas, samples) in one torchrun job:
     {cell name: {variant: comparison + rank_status + left_over}}. The loss meant is the mean of the
-    micro-batch means of a window (each micro-batch's loss is its own mean, accelerate divides)."""
+    micro-batch means of a window (each micro-batch's loss is its own mean, accelerate divides).
+    ``opt_in``: opt-in fix ids the patched variant applies next to the default ones."""
     out_dir = Path(out_dir)
     records = launch_cells(ACCELERATE_LOOP, out_dir, cells, nproc=nproc, zero_stage=zero_stage, lr=lr,
-                           zerofix=zerofix, env=env, python=python, timeout=timeout, ds_config=ds_config)
+                           zerofix=zerofix, env=env, python=python, timeout=timeout, ds_config=ds_config,
+                           extra=["--opt-in", ",".join(opt_in)] if opt_in else [])
     results = {}
     for cell in cells:
         cell_records = [r for r in records if r["cell_dir"] == cell["name"]]
@@ -73,14 +75,14 @@ def accelerate_cells(out_dir, cells, *, nproc: int = 1, zero_stage: int | None =
 
 
 def launch_cells(module: str, out_dir: Path, cells, *, nproc, zero_stage, lr, zerofix, env, python,
-                 timeout, ds_config=None) -> list[dict]:
+                 timeout, ds_config=None, extra=()) -> list[dict]:
     """One torchrun job running every cell of ``cells`` (written to ``cells.json``) per variant."""
     import json
 
     out_dir.mkdir(parents=True, exist_ok=True)
     cells_file = out_dir / "cells.json"
     cells_file.write_text(json.dumps(list(cells)))
-    args = ["--cells", str(cells_file), "--lr", str(lr), "--zerofix", zerofix]
+    args = ["--cells", str(cells_file), "--lr", str(lr), "--zerofix", zerofix, *extra]
     if zero_stage is not None:
         args += ["--zero-stage", str(zero_stage)]
     if ds_config is not None:

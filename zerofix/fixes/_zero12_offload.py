@@ -16,10 +16,6 @@ backward's reduced gradient in the fp32 partition; zerofix adds it to a window s
 the sum is written into the fp32 partition and each parameter's recorded norm is recomputed from it, so
 clipping, ``get_global_grad_norm()`` and ``safe_get_full_grad`` see the window. Measured exact (SGD
 2.5e-7, AdamW 2.4e-6, clipping 5.5e-7) on 0.15.4, 0.16.3, 0.18.0, 0.18.3, 0.18.9 and 0.19.8.
-
-A window whose first backward DeepSpeed ran as a non-boundary micro-step (config GAS > 1, before the
-counter knew the loop is manual) is closed by the next backward as DeepSpeed's own boundary would close
-a two-micro-step window, its accumulator included; the sum starts from there.
 """
 from __future__ import annotations
 
@@ -37,31 +33,25 @@ def partition_grads(optimizer) -> list:
     return [p.grad for p in optimizer.single_partition_of_fp32_groups]
 
 
-def backward(wrapped, optimizer, flags: dict, flag: str, window_sum, *, carry: bool, joins: bool, args, kwargs):
+def backward(wrapped, optimizer, flags: dict, flag: str, window_sum, *, carry: bool, args, kwargs):
     """Run one backward of a manual window; returns (result, the window's sum so far).
 
     ``window_sum``: the sum kept so far (None at the window's first lazy backward); ``carry``: a
     boundary backward of this window already ran (its gradient is in the fp32 partition);
-    ``joins``: the window began with DeepSpeed's own non-boundary micro-step(s), which this backward
-    closes through DeepSpeed's accumulator; ``flags[flag]``: the engine's boundary flag (None:
-    DeepSpeed's schedule), set for the call."""
+    ``flags[flag]``: the engine's boundary flag (None: DeepSpeed's schedule), set for the call."""
     import torch
     from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
 
-    if window_sum is None and not joins:
+    if window_sum is None:
         window_sum = [g.detach().clone() if carry else torch.zeros_like(g) for g in partition_grads(optimizer)]
-    if not joins:
-        optimizer.micro_step_id = INITIAL_MICRO_STEP_ID  # the lone backward of a step: no CPU accumulator
+    optimizer.micro_step_id = INITIAL_MICRO_STEP_ID  # the lone backward of a step: no CPU accumulator
     flags[flag] = True
     try:
         result = wrapped(*args, **kwargs)
     finally:
         flags[flag] = None
-    if joins:
-        window_sum = [g.detach().clone() for g in partition_grads(optimizer)]
-    else:
-        for total, grad in zip(window_sum, partition_grads(optimizer)):
-            total.add_(grad)
+    for total, grad in zip(window_sum, partition_grads(optimizer)):
+        total.add_(grad)
     return result, window_sum
 
 

@@ -8,6 +8,10 @@ AssertionError on its first micro-batch (measured: accelerate 1.3.0 with DeepSpe
 skips the model's ``no_sync`` for DeepSpeed ZeRO >= 2; zerofix does the same on earlier releases: for those
 engines ``no_sync`` enters nothing, every other model (DDP, ZeRO-0/1, DeepSpeed < 0.16 without a
 ``no_sync``) is passed to accelerate's own code unchanged.
+
+Ambiguity list (docs/fixes.md): it reacts to ``Accelerator.no_sync(model)`` on a DeepSpeed engine of ZeRO-2/3,
+where DeepSpeed >= 0.16 raises on every rank; no right usage reaches that point. DDP, ZeRO-0/1 and DeepSpeed
+releases without an engine ``no_sync`` are handed to accelerate's own code (tests/test_accelerate_loop.py).
 """
 from __future__ import annotations
 

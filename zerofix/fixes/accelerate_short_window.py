@@ -1,4 +1,19 @@
-"""accelerate-short-last-window: the last window of an epoch is divided by its own length.
+"""accelerate-short-last-window (opt-in): the last window of an epoch is divided by its own length.
+
+Opt-in, because nothing a loop does tells its bug from a right usage. Its ambiguity list, each usage left
+as accelerate runs it unless the user names this entry (tests/test_accelerate_loop.py, the default patch;
+tests/test_upstream_accelerate.py, accelerate's own suite with plain ``ZEROFIX=1``):
+
+- a loss normalised per window by the user (accelerate's gradient-accumulation guide: the sum over the
+  window's counted items, times GAS and the number of processes): right on a short window exactly as
+  accelerate scales it; rescaled it would be GAS/n times too large;
+- accelerate's own ``test_grad_sync.py`` asserts the n/GAS short window;
+- a mid-epoch resume (``load_state`` + ``skip_first_batches``) and an epoch stopped early by a step cap: the
+  window's length foreseen from the dataloader (the DeepSpeed path below) is then wrong;
+- the Trainer, a backward outside ``accumulate()``, ``sync_each_batch``, ``no_sync``: never touched.
+
+When named (``zerofix.patch(opt_in=[...])``, ``ZEROFIX_OPT_IN``), for a loop whose loss is each
+micro-batch's own mean:
 
 A plain ``with accelerator.accumulate(model)`` loop lets ``Accelerator.backward`` divide every loss by
 ``gradient_accumulation_steps``. When the epoch ends inside a window (10 micro-batches at GAS=4), accelerate

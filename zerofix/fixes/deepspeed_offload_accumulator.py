@@ -16,6 +16,10 @@ the CPU buffer when ``micro_step_id > 0``: the statement 0.19.0 runs there, with
 at ZeRO-2: ZeRO-1 reduces once per window, at the boundary, so it calls this method once per window with
 ``micro_step_id > 0`` and never at 0 to restart the buffer; a store there would carry each window into the
 next (measured on 0.15.4: update error 0.76 where DeepSpeed is right). ZeRO-1 never reads the missing store.
+
+Ambiguity list (docs/fixes.md): none. It stores the CPU accumulator at every micro-step as 0.19.0 does; where
+the broken release was right (ZeRO-1, GAS <= 2) the result is bitwise DeepSpeed's (the offload probes of
+tests/test_deepspeed_accumulation.py).
 """
 from __future__ import annotations
 

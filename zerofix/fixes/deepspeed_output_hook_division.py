@@ -26,6 +26,12 @@ zerofix divides each gradient once, as 0.19.6 does inside ``engine.backward``:
   loss the user sums) are divided each, as upstream does. An output reached partly through another output
   and partly around it (a penalty on the logits added to the loss) cannot be split at its hook: it is left
   undivided, so the penalty's share is GAS times too large there (upstream divides the loss's share twice).
+
+Ambiguity list (docs/fixes.md): it reacts to a second hooked output on the loss's path. Outputs not on each
+other's path (a loss and an auxiliary loss summed by the user) are divided each, as upstream; a model returning
+only its loss is divided on the same tensor by the same operation, bitwise (the ``-logits`` cells of the
+transparency matrix, tests/test_deepspeed_output_hook.py). A penalty on the logits added to the loss is the one
+mixed case, stated above.
 """
 from __future__ import annotations
 

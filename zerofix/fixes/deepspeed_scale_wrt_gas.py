@@ -13,6 +13,9 @@ the engine for the duration of the call, and its wrapper of the hook passes the 
 unscaled while that flag is False. A backward that does not go through ``engine.backward`` (a plain
 ``loss.backward()``) keeps DeepSpeed's default, dividing. The division at both outputs with
 ``scale_wrt_gas=True`` (0.18.3 - 0.19.5) is deepspeed-output-hook-division's; on 0.18.3 both layer.
+
+Ambiguity list (docs/fixes.md): it reacts only to ``scale_wrt_gas=False`` on 0.18.3; the default ``True`` (every
+loop that lets DeepSpeed divide) passes through untouched, as in 0.18.4 (tests/test_deepspeed_backports.py).
 """
 from __future__ import annotations
 

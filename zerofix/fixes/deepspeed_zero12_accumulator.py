@@ -15,6 +15,10 @@ gradients but ``averaged_gradients[i]`` is empty, empty when ``averaged_gradient
 window but the accumulator is empty. Then it puts back what was there, unless the method replaced it
 at a boundary. Everything else (the reduction, the boundary copy, releasing the buffers) is DeepSpeed's
 own code, unchanged: the observable behaviour is 0.18.3's.
+
+Ambiguity list (docs/fixes.md): none. The wrapper acts only where the structural check finds the broken
+test of 0.17.6 - 0.18.2 and does what 0.18.3 does; every loop through the epilogue (DeepSpeed's own style, flagged
+boundaries, the Trainer) then runs as on 0.18.3 (tests/test_deepspeed_zero12_accumulator.py).
 """
 from __future__ import annotations
 

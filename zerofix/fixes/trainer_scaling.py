@@ -41,6 +41,14 @@ correction is applied twice (the rule is ``zerofix.scaling``):
 
 Trainers created before ``patch()`` are covered (the wrappers are on the classes), and ``unpatch()`` leaves
 no state behind.
+
+Ambiguity list (docs/fixes.md): the entries react to the Trainer's own backward of a loss the Trainer believes
+normalised by ``num_items_in_batch``, a belief it takes from the forward's signature (``**kwargs``). A head that
+takes ``**kwargs`` but returns a plain mean (sequence classification), a ``compute_loss`` override or a
+``compute_loss_func`` returning a mean, and TRL's GKDTrainer produce the same observation and are right
+unpatched on 5.2.0 - 5.5.3 and 4.48: there these entries are known to harm (1.0 -> 4.0). Deciding from what the
+loss does instead is the open issue "Any model the Trainer trains". A plain ``accelerator.accumulate`` loop
+is never touched (tests/test_accelerate_loop.py).
 """
 from __future__ import annotations
 

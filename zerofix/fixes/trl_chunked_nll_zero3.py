@@ -23,6 +23,9 @@ TRL 1.15.0 made ``chunked_nll`` an alias of ``nll`` and removed the function.
 
 Both hand a head that is not a ZeRO-3 parameter (no DeepSpeed, ZeRO-1/2, DDP) to TRL's own function, untouched:
 only ZeRO-3 is broken.
+
+Ambiguity list (docs/fixes.md): it reacts to TRL's chunked loss called with a ZeRO-3-partitioned head. DDP,
+ZeRO-1/2, FSDP2 and a head that is already whole get TRL's own function, untouched.
 """
 from __future__ import annotations
 

@@ -12,6 +12,9 @@ The wrapper computes the same loss, entropy sum and counted-token count with ``z
 gathered once per forward, the student's at most once more in backward, whatever the number of chunks). Where
 neither head is a ZeRO-3 parameter (DDP, ZeRO-1/2, FSDP2's DTensors) it calls TRL's function, untouched. TRL 1.15.0 replaced the chunk loop with a fused kernel and
 no per-chunk gathers (and dropped ``chunk_size`` from the signature).
+
+Ambiguity list (docs/fixes.md): it reacts to TRL's chunked divergence called with a ZeRO-3-partitioned head.
+Every other setting gets TRL's own function, untouched (bitwise, tests/test_trl_distillation.py).
 """
 from __future__ import annotations
 

@@ -16,6 +16,10 @@ the update is the window's token-mean up to that spread (as upstream's fix). The
 (``use_liger_kernel=True``, ``compute_liger_loss``, fixed in 1.12.0) is not covered. The experimental
 ``trl.experimental.gspo_token`` GRPOTrainer has its own copy of ``_compute_loss`` with the same divisor (fixed
 in the same release): trl-gspo-token-window-normalisation wraps it with the same function.
+
+Ambiguity list (docs/fixes.md): it reacts to dapo/cispo/vespo in training with ``steps_per_generation`` !=
+GAS, as 1.9.2 does; ``steps_per_generation`` == GAS and evaluation return upstream's tensor, bitwise
+(tests/test_trl_grpo.py).
 """
 from __future__ import annotations
 

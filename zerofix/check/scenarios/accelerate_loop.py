@@ -28,6 +28,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--zerofix", choices=("off", "on", "both"), default="both")
+    p.add_argument("--opt-in", default="", help="comma list of opt-in fix ids the patched variant applies too")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -120,7 +121,7 @@ def main(argv=None):
     variants = {"off": ["unpatched"], "on": ["patched"], "both": ["unpatched", "patched"]}[args.zerofix]
     for variant in variants:
         if variant == "patched":
-            zerofix.patch()
+            zerofix.patch(opt_in=[f for f in args.opt_in.split(",") if f])
         for cell in cells:
             cell_out = out / cell["name"]
             cell_out.mkdir(parents=True, exist_ok=True)

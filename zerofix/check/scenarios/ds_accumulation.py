@@ -145,6 +145,7 @@ class Probe:
 
     def __init__(self, engine, read_always: bool):
         self.engine = engine
+        self.inside = None  # the DeepSpeed context the loop is in ("no_sync", "coalesce") or None
         # ZeRO-1/2 gradients can be read only right after a boundary backward: elsewhere DeepSpeed raises on
         # the ranks that own a fragment and all_reduces on the others, and the ranks' collectives diverge.
         # ZeRO-0/3 reads are fine at every micro-step. ``read_always``: from the second backward before a
@@ -167,7 +168,8 @@ class Probe:
         comm = self.collectives()
         self.since_step += 1
         readable = boundary or self.anywhere or (self.read_always and self.since_step >= 2)
-        reads = self.read() if readable else None
+        # inside coalesce_grad_reduction() the gradients are local until the block's flush (not a read point)
+        reads = self.read() if readable and self.inside != "coalesce" else None
         self.events.append({"op": "backward", "boundary": boundary, "returned": digest(returned),
                             "reads": reads, "collectives": comm, "read_collectives": self.collectives()})
 
@@ -196,6 +198,16 @@ class Probe:
                             "global_steps": engine.global_steps, "lr": digest(engine.get_lr()),
                             "norm": digest(norm), "collectives": self.collectives()})
 
+    def other(self, op: tuple, run):
+        """A context entered or left, or zero_grad(): what it returned and the collectives it issued."""
+        self.collectives()
+        returned = run()
+        event = {"op": op[0], "returned": digest(returned), "collectives": self.collectives()}
+        if op[0] == "exit" and self.inside == "coalesce":  # the block's flush reduced the window: a read point
+            event.update(reads=self.read(), read_collectives=self.collectives())
+        self.inside = op[1] if op[0] == "enter" else None if op[0] == "exit" else self.inside
+        self.events.append(event)
+
     def checkpoint(self, directory: Path):
         import torch.distributed as dist
 
@@ -208,25 +220,37 @@ class Probe:
 
 
 def run_cell(cell, init_state, rank, world, checkpoint_dir: Path) -> dict:
+    from importlib import metadata
+
     engine = build_engine(cell, init_state)
     # patched manual loops: zerofix makes a read after every backward right (the takeover probes)
-    probe = Probe(engine, read_always=_zerofix_active() and not cell.own_style) if cell.probe else None
+    takes_over = _zerofix_active() and accumulation.zerofix_takes_over(cell, metadata.version("deepspeed"))
+    probe = Probe(engine, read_always=takes_over) if cell.probe else None
     snapshots, norms, window_reads = [], [], []
     windows_done = 0
+    contexts = []  # the DeepSpeed context managers the loop is inside
     for op in accumulation.ops(cell):
+        if op[0] in ("enter", "exit", "zero_grad"):
+            run = _other_op(engine, op, contexts)
+            if probe is not None:
+                probe.other(op, run)
+            else:
+                run()
+            continue
         if op[0] == "backward":
-            _, micro_step, divisor, explicit = op
+            _, micro_step, divisor, explicit, share = op
             if explicit is not None:
                 engine.set_gradient_accumulation_boundary(explicit)
             batch = models.collate(accumulation.sample_indices(micro_step, rank, world))
             loss = engine(**batch)["loss"] / divisor
             kwargs = {} if cell.scale_wrt_gas else {"scale_wrt_gas": False}
+            part = loss if share == 1.0 else loss * share
             if cell.direct:  # torch-style: DeepSpeed's output hooks scale and its post hook reduces
-                loss.backward()
+                part.backward()
             elif probe is not None:
-                probe.backward(loss, **kwargs)
+                probe.backward(part, **kwargs)
             else:
-                engine.backward(loss, **kwargs)
+                engine.backward(part, **kwargs)
             continue
         applied_before = engine.global_steps
         if probe is not None:
@@ -257,6 +281,19 @@ def run_cell(cell, init_state, rank, world, checkpoint_dir: Path) -> dict:
     if cell.probe:
         result.update(events=probe_events, window_reads=window_reads)
     return result
+
+
+def _other_op(engine, op: tuple, contexts: list):
+    """The call an ("enter", name) / ("exit",) / ("zero_grad",) op makes, as a function of no arguments."""
+    if op[0] == "enter":
+        def enter():
+            context = engine.no_sync() if op[1] == "no_sync" else engine.coalesce_grad_reduction()
+            contexts.append(context)
+            return context.__enter__()
+        return enter
+    if op[0] == "exit":
+        return lambda: contexts.pop().__exit__(None, None, None)
+    return engine.zero_grad
 
 
 def _zerofix_active() -> bool:
