@@ -281,8 +281,8 @@ def _remove_layer(slot: _Slot, fix_id: str) -> None:
 
 
 def unpatch(fixes=None) -> None:
-    """Disable fixes (all by default) and restore exactly what was there before."""
-    selected, _ = select(fixes)
+    """Disable fixes (all by default, opt-in ones included) and restore exactly what was there before."""
+    selected, _ = select(catalogue.ids() if fixes is None else fixes)
     with _lock:
         for fix_id in selected:
             _disable(fix_id)
