@@ -87,3 +87,32 @@ def test_zero2_on_the_broken_accumulator_is_taken_over_once_it_is_fixed(monkeypa
     monkeypatch.setattr(applied, "is_applied", lambda fix_id: fix_id == "deepspeed-zero12-accumulator")
     ok, reason = _eligibility(Engine(Zero12Buckets1718()), 2)
     assert ok and "bucket" in reason, reason
+
+
+@pytest.mark.parametrize("kind", ["pipeline", "unmanaged"])
+def test_engines_outside_deepspeeds_schedule_are_not_even_counted(kind):
+    """Pipeline engines and managed_gradient_accumulation: false decide their own boundaries: both wrappers
+    call straight through (no count, no warning, no boundary flag touched)."""
+    from zerofix.fixes import deepspeed_manual_accumulation as fix
+
+    class Full(Engine):
+        module = type("M", (), {"parameters": lambda self: iter(())})()
+
+        def zero_optimization_stage(self):
+            return 2
+
+        def gradient_accumulation_steps(self):
+            return 4
+
+        def is_gradient_accumulation_boundary(self):
+            raise AssertionError("not consulted")
+
+    engine = Full(Zero12(), pipeline=kind == "pipeline", managed=kind != "unmanaged")
+    calls = []
+    for _ in range(3):
+        fix.backward(lambda *a: calls.append("backward"), engine, (1.0,), {})
+    fix.step(lambda *a: calls.append("step"), engine, (), {})
+    state = engine.__dict__[fix._STATE_KEY]
+    assert calls == ["backward"] * 3 + ["step"] and not state.observes
+    assert (state.counter.backwards, state.counter.steps, state.warned) == (0, 0, [])
+    assert engine._is_gradient_accumulation_boundary is None

@@ -86,8 +86,8 @@ def structural_check(fix_id: str, targets) -> Check:
 
 # ----------------------------------------------------------------------------- per-engine state
 class _EngineState:
-    __slots__ = ("counter", "stage", "gas", "offload", "replaces", "eligible", "takes_over", "reason", "warned",
-                 "carried", "window_sum", "param_ids", "__weakref__")
+    __slots__ = ("counter", "stage", "gas", "offload", "replaces", "eligible", "takes_over", "observes", "reason",
+                 "warned", "carried", "window_sum", "param_ids", "__weakref__")
 
     def __init__(self, engine):
         self.stage = int(engine.zero_optimization_stage())
@@ -97,6 +97,8 @@ class _EngineState:
         self.offload = self.stage in (1, 2) and bool(getattr(engine.optimizer, "cpu_offload", False))
         self.replaces = self.stage in (1, 2) and hasattr(engine.optimizer, "all_grad_tensors")
         self.eligible, self.reason = _eligibility(engine, self.stage)
+        # pipeline engines, managed_gradient_accumulation off, an engine without the flag: not even counted
+        self.observes = _outside_schedule(engine) is None
         # Only where several unflagged backwards before a step() cannot be a right usage: config GAS=1, and a
         # boundary that replaces (at config GAS > 1 DeepSpeed's own style with several backwards per
         # micro-batch looks the same; ZeRO-0/3 and ZeRO-1/2 before 0.17.6 accumulate by themselves).
@@ -119,16 +121,25 @@ class _EngineState:
             log("warning", msg, *args)
 
 
+def _outside_schedule(engine) -> str | None:
+    """Why the engine's boundaries are not DeepSpeed's micro-step schedule this fix reasons about (then both
+    wrappers pass straight through), or None."""
+    if _FLAG not in engine.__dict__:
+        return f"the engine has no {_FLAG} attribute: not measured"
+    if getattr(engine, "pipeline_parallelism", False):
+        return "pipeline engine: boundaries come from its schedule"
+    managed = getattr(engine, "managed_gradient_accumulation", None)
+    if managed is not None and not managed():
+        return "managed_gradient_accumulation is off: step() is already the boundary"
+    return None
+
+
 def _eligibility(engine, stage: int) -> tuple[bool, str]:
     """Whether the lazy boundary's reduction is known to be exact for this engine (ZeRO-1/2 only: the
     stages whose boundary can discard a manual window)."""
-    if _FLAG not in engine.__dict__:
-        return False, f"the engine has no {_FLAG} attribute: not measured"
-    if getattr(engine, "pipeline_parallelism", False):
-        return False, "pipeline engine: boundaries come from its schedule"
-    managed = getattr(engine, "managed_gradient_accumulation", None)
-    if managed is not None and not managed():
-        return False, "managed_gradient_accumulation is off: step() is already the boundary"
+    outside = _outside_schedule(engine)
+    if outside is not None:
+        return False, outside
     if stage not in (1, 2):
         return False, (f"ZeRO-{stage}: several backwards per step() accumulate by themselves at config "
                        "gradient_accumulation_steps=1; DeepSpeed's schedule decides the rest")
@@ -180,6 +191,8 @@ def _in_upstream_api(engine) -> bool:
 def backward(wrapped, engine, args, kwargs):
     flags = engine.__dict__
     state = flags.get(_STATE_KEY) or _state(engine)
+    if not state.observes:
+        return wrapped(*args, **kwargs)
     explicit = flags.get(_FLAG)
     counter = state.counter
     plan = counter.plan_backward(explicit_boundary=explicit, upstream_api=_in_upstream_api(engine))
@@ -214,7 +227,7 @@ def backward(wrapped, engine, args, kwargs):
 def step(wrapped, engine, args, kwargs):
     flags = engine.__dict__
     state = flags.get(_STATE_KEY)
-    if state is None:
+    if state is None or not state.observes:
         return wrapped(*args, **kwargs)
     counter = state.counter
     explicit = flags.get(_FLAG)
