@@ -37,8 +37,9 @@ OWN_STYLES = ("b", "f", "g")  # backward + step() per micro-batch
 MANUAL_STYLES = ("a", "d", "e", "short", "z")
 UPSTREAM_API_STYLES = ("coalesce", "nosync", "zg")  # several backwards per step() through DeepSpeed's own API
 CORRECT, LAST, NOOP, DOUBLE, TRIPLE, ERROR = "correct", "last", "noop", "double", "triple", "error"
-# DeepSpeed's own style with two backwards per micro-batch under ZeRO-1/2: the window's last micro-batch runs
-# both its backwards as boundaries and the second replaces the first (update error 0.9, measured 0.19.8)
+# DeepSpeed's own style with two backwards per micro-batch under ZeRO-1/2 from 0.17.6: the window's last
+# micro-batch runs both its backwards as boundaries and the second replaces the first (update error 0.87,
+# measured 0.18.9 and 0.19.8; 0.16.3's epilogue adds both: right)
 TWICE = "twice"
 # ZeRO-1/2 optimizer offload: only each window's first and last micro-batch survive (ENDS), every one but
 # the first (TAIL), or an update no simple rule describes (WRONG: far from both CORRECT and LAST); see
@@ -268,8 +269,8 @@ def known_unpatched(cell: Cell, deepspeed_version: str) -> str:
     manual = cell.style in MANUAL_STYLES  # several unflagged backwards per step()
     if manual and cell.gas > 1:
         return NOOP
-    if cell.style == "g" and cell.stage in (1, 2):  # the micro-batch's second boundary backward replaces
-        return TWICE
+    if cell.style == "g" and cell.stage in (1, 2) and Version(deepspeed_version) >= Version("0.17.6"):
+        return TWICE  # the micro-batch's second boundary backward replaces the first (before 0.17.6: adds)
     if cell.offload:
         return _offload_unpatched(cell, deepspeed_version, manual)
     if accumulator_restarts(deepspeed_version):
