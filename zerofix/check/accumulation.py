@@ -182,10 +182,12 @@ def sample_indices(micro_step: int, rank: int, world: int) -> list[int]:
 def matrix(optimizers=("sgd", "adamw")) -> list[Cell]:
     """The issue's matrix: ZeRO 0, 1, 2 (overlap_comm off/on) and 3 x config GAS {1, 4} x styles a-e."""
     stages = [(0, False), (1, False), (2, False), (2, True), (3, False)]
-    # DeepSpeed's own style is probed (every observable recorded) here already: transparency_matrix()
-    # reuses these cells rather than building their engines twice
-    return [Cell(stage, gas, style, opt, overlap, probe=style == "b") for stage, overlap in stages
-            for gas in (1, 4) for style in "abcde" for opt in optimizers]
+    # DeepSpeed's own style and the config-GAS=4 manual loop (followed) are probed (every observable recorded)
+    # here already: transparency_matrix() and ambiguity_cells() reuse these cells rather than building their
+    # engines twice
+    return [Cell(stage, gas, style, opt, overlap,
+                 probe=style == "b" or (style == "a" and gas > 1 and opt == "sgd" and not overlap))
+            for stage, overlap in stages for gas in (1, 4) for style in "abcde" for opt in optimizers]
 
 
 def transparency_matrix(deepspeed_version: str) -> list[Cell]:
