@@ -125,7 +125,7 @@ def select(fixes=None, exclude=(), opt_in=()) -> tuple[list[str], set[str]]:
     opt_in = () if opt_in is None else opt_in
     if isinstance(fixes, str) or isinstance(exclude, str) or isinstance(opt_in, str):
         raise TypeError("fixes, exclude and opt_in take a list of fix ids, e.g. patch(fixes=['%s'])" % valid[0])
-    wanted = [f for f in valid if f in catalogue.default_ids() or f in opt_in] if fixes is None \
+    wanted = [f.id for f in catalogue.FIXES if not f.opt_in or f.id in opt_in] if fixes is None \
         else list(dict.fromkeys(fixes))
     excluded = set(exclude)
     unknown = (set(wanted) | excluded | set(opt_in)) - set(valid)
@@ -135,6 +135,7 @@ def select(fixes=None, exclude=(), opt_in=()) -> tuple[list[str], set[str]]:
 
 
 def _opt_in_reason(fix: catalogue.Fix) -> str:
+    """Why an opt-in entry is not applied, and how to name it (status() says it before and after patch())."""
     return (f"opt-in, not applied unless named: {fix.opt_in}. Enable it with zerofix.patch(opt_in=['{fix.id}']) "
             f"or ZEROFIX_OPT_IN={fix.id}")
 
@@ -312,8 +313,7 @@ def status() -> list[Record]:
                 if guard is not None and (record is None or record.state == PENDING):
                     record = guard
                 elif record is None:
-                    enable = (f"opt-in: {fix.opt_in}; enable with zerofix.patch(opt_in=['{fix.id}']) or "
-                              f"ZEROFIX_OPT_IN={fix.id}" if fix.opt_in else "enable with zerofix.patch() or ZEROFIX=1")
+                    enable = _opt_in_reason(fix) if fix.opt_in else "enable with zerofix.patch() or ZEROFIX=1"
                     record = Record(fix.id, INACTIVE, fix.dist, None, fix.affected,
                                     f"{fix.dist} {version} is in the affected range {fix.affected}; {enable}")
                 record = record._replace(installed=version)

@@ -35,7 +35,6 @@ STYLES = ("a", "b", "c", "d", "e", "f", "g", "short", "coalesce", "nosync", "zg"
 OWN_STYLES = ("b", "f", "g")  # backward + step() per micro-batch
 # several unflagged backwards per step(), outside DeepSpeed's no_sync() / coalesce_grad_reduction()
 MANUAL_STYLES = ("a", "d", "e", "short", "z")
-UPSTREAM_API_STYLES = ("coalesce", "nosync", "zg")  # several backwards per step() through DeepSpeed's own API
 CORRECT, LAST, NOOP, DOUBLE, TRIPLE, ERROR = "correct", "last", "noop", "double", "triple", "error"
 # DeepSpeed's own style with two backwards per micro-batch under ZeRO-1/2 from 0.17.6: the window's last
 # micro-batch runs both its backwards as boundaries and the second replaces the first (update error 0.87,
@@ -225,8 +224,7 @@ def engine_may_take_over(cell: Cell, deepspeed_version: str) -> bool:
     boundary replaces the reduced gradient (from 0.17.6; with optimizer offload on every release). At config
     GAS > 1 a manual loop looks like DeepSpeed's own style with several backwards per micro-batch; ZeRO-0/3
     and ZeRO-1/2 before 0.17.6 accumulate by themselves at GAS=1."""
-    replaces = cell.offload or version_in_range(deepspeed_version, ">=0.17.6")
-    return cell.stage in (1, 2) and cell.gas == 1 and replaces
+    return cell.stage in (1, 2) and cell.gas == 1 and (cell.offload or boundary_replaces(deepspeed_version))
 
 
 def zerofix_takes_over(cell: Cell, deepspeed_version: str) -> bool:
@@ -259,6 +257,12 @@ def accumulator_restarts(deepspeed_version: str) -> bool:
     return version_in_range(deepspeed_version, ">=0.17.6,<0.18.3")
 
 
+def boundary_replaces(deepspeed_version: str) -> bool:
+    """ZeRO-1/2 from 0.17.6 *assign* the reduced partition at every boundary (before, the epilogue added it):
+    a second boundary backward before step() discards the first."""
+    return version_in_range(deepspeed_version, ">=0.17.6")
+
+
 def known_unpatched(cell: Cell, deepspeed_version: str) -> str:
     """What DeepSpeed itself does with the cell's loop (measured 0.14.5 to 0.19.8; docs/fixes.md):
     ``noop`` when the config GAS differs from the backwards per step() and no boundary is flagged;
@@ -266,12 +270,10 @@ def known_unpatched(cell: Cell, deepspeed_version: str) -> str:
     step(), and ``last`` for ZeRO-2 wherever a window has non-boundary backwards; ``last`` for ZeRO-1/2
     with config GAS=1 and several backwards per step() from 0.18.3 on; ``double`` / ``triple`` where
     the output hook divides once or twice more than meant; optimizer offload: _offload_unpatched()."""
-    from packaging.version import Version
-
     manual = cell.style in MANUAL_STYLES  # several unflagged backwards per step()
     if manual and cell.gas > 1:
         return NOOP
-    if cell.style == "g" and cell.stage in (1, 2) and Version(deepspeed_version) >= Version("0.17.6"):
+    if cell.style == "g" and cell.stage in (1, 2) and boundary_replaces(deepspeed_version):
         return TWICE  # the micro-batch's second boundary backward replaces the first (before 0.17.6: adds)
     if cell.offload:
         return _offload_unpatched(cell, deepspeed_version, manual)
@@ -283,7 +285,7 @@ def known_unpatched(cell: Cell, deepspeed_version: str) -> str:
     extra = output_hook_divides_twice(cell, deepspeed_version) + hook_ignores_scale_wrt_gas(cell, deepspeed_version)
     if extra:
         return DOUBLE if extra == 1 else TRIPLE
-    if manual and cell.stage in (1, 2) and Version(deepspeed_version) >= Version("0.17.6"):
+    if manual and cell.stage in (1, 2) and boundary_replaces(deepspeed_version):
         return LAST
     return CORRECT
 
@@ -327,20 +329,17 @@ def ambiguity_cells(deepspeed_version: str) -> list[Cell]:
     with several backwards per micro-batch looks the same), two backwards per micro-batch in DeepSpeed's own
     style, coalesce_grad_reduction() (>= 0.19.7), no_sync() and DeepSpeed's test_multiple_ctxts (>= 0.16),
     and zero_grad() between backwards (taken over, the discarded micro-batch stays discarded)."""
-    from packaging.version import Version
-
-    v = Version(deepspeed_version)
     cells = [Cell(stage, 4, "a", probe=True) for stage in (0, 1, 2, 3)]
     cells += [Cell(stage, 4, "g", probe=stage in (0, 3)) for stage in (0, 1, 2, 3)
               if stage in (0, 3) or not accumulator_restarts(deepspeed_version)]
     cells += [Cell(0, 4, "g", "adamw", probe=True), Cell(3, 4, "g", "adamw", probe=True)]
-    if v >= Version("0.19.7"):
+    if version_in_range(deepspeed_version, ">=0.19.7"):
         cells += [Cell(stage, 1, "coalesce", opt, probe=True) for stage in (1, 2, 3) for opt in ("sgd", "adamw")]
         cells += [Cell(2, 1, "coalesce", probe=True, overlap_comm=True)]
         cells += [Cell(stage, 1, "coalesce", probe=True, offload=True) for stage in (1, 2)]
-    if v >= Version("0.16.0"):
+    if version_in_range(deepspeed_version, ">=0.16.0"):
         cells += [Cell(stage, 1, style, probe=True) for stage in (0, 1) for style in ("nosync", "zg")]
-    if v >= Version("0.18.3"):
+    if version_in_range(deepspeed_version, ">=0.18.3"):
         cells += [Cell(stage, 1, "z") for stage in (1, 2)]
     return cells
 

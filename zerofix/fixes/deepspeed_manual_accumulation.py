@@ -86,8 +86,8 @@ def structural_check(fix_id: str, targets) -> Check:
 
 # ----------------------------------------------------------------------------- per-engine state
 class _EngineState:
-    __slots__ = ("counter", "stage", "gas", "offload", "replaces", "eligible", "takes_over", "observes", "reason",
-                 "warned", "carried", "window_sum", "param_ids", "__weakref__")
+    __slots__ = ("counter", "stage", "gas", "offload", "takes_over", "observes", "reason", "warned", "carried",
+                 "window_sum", "param_ids", "__weakref__")
 
     def __init__(self, engine):
         self.stage = int(engine.zero_optimization_stage())
@@ -95,15 +95,15 @@ class _EngineState:
         # ZeRO-1/2 from deepspeed 0.17.6 (the all_grad_tensors accumulator) *assign* the reduced partition at
         # a boundary; before, the epilogue added every reduction to it.
         self.offload = self.stage in (1, 2) and bool(getattr(engine.optimizer, "cpu_offload", False))
-        self.replaces = self.stage in (1, 2) and hasattr(engine.optimizer, "all_grad_tensors")
-        self.eligible, self.reason = _eligibility(engine, self.stage)
+        replaces = self.stage in (1, 2) and hasattr(engine.optimizer, "all_grad_tensors")
+        eligible, self.reason = _eligibility(engine, self.stage)
         # pipeline engines, managed_gradient_accumulation off, an engine without the flag: not even counted
         self.observes = _outside_schedule(engine) is None
         # Only where several unflagged backwards before a step() cannot be a right usage: config GAS=1, and a
         # boundary that replaces (at config GAS > 1 DeepSpeed's own style with several backwards per
         # micro-batch looks the same; ZeRO-0/3 and ZeRO-1/2 before 0.17.6 accumulate by themselves).
-        self.takes_over = self.eligible and self.gas == 1 and (self.replaces or self.offload)
-        if self.eligible and not self.takes_over:
+        self.takes_over = eligible and self.gas == 1 and (replaces or self.offload)
+        if eligible and not self.takes_over:
             self.reason = ("config gradient_accumulation_steps > 1: DeepSpeed's schedule decides the boundaries "
                            "(a loop with several backwards per step() is warned about, not changed)"
                            if self.gas > 1 else f"ZeRO-{self.stage} on this release accumulates several "
@@ -206,8 +206,8 @@ def backward(wrapped, engine, args, kwargs):
         boundary = True
         _unreduced.add(engine)  # a read before step() must see the window's sum
     else:
-        if plan.carry and state.replaces:
-            state.carried = _partition_copy(engine.optimizer)  # the next reduction replaces it
+        if plan.carry:  # taken over without offload: the boundary replaces, so keep what it reduced
+            state.carried = _partition_copy(engine.optimizer)
         boundary = False
         flags[_FLAG] = False  # lazy: step() (or a gradient read) reduces the window
         try:
