@@ -1,82 +1,116 @@
-"""The scaling rule (zerofix.scaling) without a Trainer: every release behaviour x every combination of
-applied corrections, checked by counting what the whole path divides the loss by.
+"""The scaling rule (zerofix.scaling) without a Trainer: every release x every kind of loss x with and
+without DeepSpeed, checked by what the whole path multiplies compute_loss's value by, against what the loss
+needs (``applied_factor`` 1.0 = exactly right).
 
-The release behaviours are the measured ones (tests/test_trainer_scaling.py shows each with a real
-Trainer); the rule must make each of them divide exactly once, and must never break a path that was
-right, whichever subset of the three entries is applied."""
+The release rules are read off each release's source (trainer.py of 4.46.3, 4.48.3, 4.49.0, 4.52.4, 4.54.0,
+4.55.0, 4.57.1, 5.0.0, 5.3.0, 5.18.0, 5.19.0, 5.23.0); the unpatched factors below are the measured ones
+(tests/test_trainer_scaling.py shows each with a real Trainer). The plan must make every case exact and
+must change nothing where the path is already right."""
 from __future__ import annotations
-
-import itertools
 
 import pytest
 
-from zerofix.scaling import Call, Corrections, plan, divisions
+from zerofix.scaling import Plan, TrainerFacts, applied_factor, call_of, plan, trainer_believes_scaled
 
-GAS = 8
-# What each release hands Accelerator.backward, per model kind: (token_normalised, trainer_divides,
-# nokw_undivided, accelerate_divides, scale_wrt_gas). "kw": a model taking loss kwargs; "nokw": without.
-RELEASES = {
-    "4.46-4.47": {"kw": (True, False, False, False, True), "nokw": (False, False, True, False, True)},
-    "4.48": {"kw": (True, False, False, False, True), "nokw": (False, True, False, False, True)},
-    "4.49-5.1": {"kw": (True, False, False, False, False), "nokw": (False, True, False, False, False)},
-    "5.2-5.5.3": {"kw": (True, False, False, True, False), "nokw": (False, True, False, True, False)},
-}
-# The entries in range per release (what zerofix applies by default).
-IN_RANGE = {"4.46-4.47": Corrections(True, True, False), "4.48": Corrections(False, True, False),
-            "4.49-5.1": Corrections(), "5.2-5.5.3": Corrections(False, False, True)}
-# Measured unpatched (relative to right): docs/fixes.md and the Trainer tests.
-UNPATCHED = {
-    ("4.46-4.47", "kw", False): 1.0, ("4.46-4.47", "nokw", False): 1 / GAS,
-    ("4.46-4.47", "kw", True): GAS, ("4.46-4.47", "nokw", True): 1.0,
-    ("4.48", "kw", False): 1.0, ("4.48", "nokw", False): 1.0, ("4.48", "kw", True): GAS, ("4.48", "nokw", True): GAS,
-    ("5.2-5.5.3", "kw", False): GAS, ("5.2-5.5.3", "nokw", False): GAS,
+GAS = 4
+RELEASES = [(4, 46, 3), (4, 48, 3), (4, 52, 4), (4, 54, 0), (4, 57, 1), (5, 0, 0), (5, 3, 0), (5, 5, 4), (5, 23, 0)]
+# What the loss is and who computes it: (takes loss kwargs, compute_loss_func, reads num_items, base
+# compute_loss runs). "seq-cls": a head taking **kwargs whose loss is a plain mean (Llama/BERT classifiers).
+LOSSES = {
+    "causal-lm": (True, False, True, True),
+    "nokw": (False, False, False, True),
+    "seq-cls": (True, False, False, True),
+    "subclass-mean": (True, False, False, False),  # compute_loss override returning its mean, no super()
+    "func-mean": (True, True, False, True),  # compute_loss_func returning the micro-batch mean
 }
 
 
-def call(release, model, deepspeed, window=GAS):
-    token, divides, undivided, accel, scale = RELEASES[release][model]
-    # Accelerate divides only without DeepSpeed; with DeepSpeed the engine does (unless scale_wrt_gas=False).
-    return Call(deepspeed=deepspeed, token_normalised=token, trainer_divides=divides, nokw_undivided=undivided,
-                window=window, gas=GAS, accelerate_divides=accel and not deepspeed, scale_wrt_gas=scale)
+def accelerate_steps(version) -> int:
+    """transformers 5.2.0 - 5.5.3 build the Accelerator with num_steps=GAS (#45349): accelerate divides."""
+    return GAS if (5, 2) <= version[:2] and version < (5, 5, 4) else 1
 
 
-CASES = [(r, m, ds) for r in RELEASES for m in ("kw", "nokw") for ds in (False, True)]
+def call(version, loss, *, deepspeed=False, processes=1, window=GAS, average_tokens=None, stated=False):
+    kw, func, reads, base = LOSSES[loss]
+    if average_tokens is None:  # the default: False up to 4.48, True from 4.49 (measured releases: 4.57)
+        average_tokens = version >= (4, 49)
+    # the count: 4.46 computes it only for a model taking loss kwargs; later releases also for a loss function
+    num_items = kw or (func and version >= (4, 48))
+    facts = TrainerFacts(accepts_loss_kwargs=kw, compute_loss_func=func, num_items=num_items,
+                         average_tokens=average_tokens, loss_is_scaled_for_ga=None, processes=processes, gas=GAS,
+                         window=window)
+    return call_of(version, facts, reads_num_items=reads if num_items else None, stated=stated, base_ran=base,
+                   deepspeed=deepspeed, scale_wrt_gas=version < (4, 49), accelerate_steps=accelerate_steps(version))
 
 
-@pytest.mark.parametrize("release, model, deepspeed", CASES)
-def test_unpatched_divisions_are_the_measured_ones(release, model, deepspeed):
-    got = divisions(call(release, model, deepspeed), plan(call(release, model, deepspeed), Corrections()))
-    assert got == UNPATCHED.get((release, model, deepspeed), 1.0)
+def unpatched(c) -> float:
+    return float(applied_factor(c, Plan()))
 
 
-@pytest.mark.parametrize("release, model, deepspeed", CASES)
-def test_the_entries_in_range_divide_exactly_once(release, model, deepspeed):
-    c = call(release, model, deepspeed)
-    assert divisions(c, plan(c, IN_RANGE[release])) == 1.0
+CASES = [(v, loss, ds, n) for v in RELEASES for loss in LOSSES for ds in (False, True) for n in (1, 2)]
+IDS = [f"{'.'.join(map(str, v))}-{loss}-{'ds' if ds else 'nods'}-{n}proc" for v, loss, ds, n in CASES]
 
 
-@pytest.mark.parametrize("release, model, deepspeed", CASES)
-def test_no_subset_of_entries_breaks_a_path_that_was_right(release, model, deepspeed):
-    """A user may exclude entries (ZEROFIX=ids, patch(exclude=...)): each subset of the ones in range
-    must leave a right path right and must not make a wrong path worse."""
-    c = call(release, model, deepspeed)
-    before = divisions(c, plan(c, Corrections()))
-    in_range = IN_RANGE[release]
-    for mask in itertools.product((False, True), repeat=3):
-        subset = Corrections(*(on and wanted for on, wanted in zip(mask, in_range, strict=True)))
-        after = divisions(c, plan(c, subset))
-        assert after in (1.0, before), (subset, before, after)
+@pytest.mark.parametrize("version, loss, deepspeed, processes", CASES, ids=IDS)
+def test_the_plan_makes_every_path_exact(version, loss, deepspeed, processes):
+    c = call(version, loss, deepspeed=deepspeed, processes=processes)
+    assert applied_factor(c, plan(c)) == 1, (c, plan(c))
+
+
+@pytest.mark.parametrize("version, loss, deepspeed, processes", CASES, ids=IDS)
+def test_a_path_that_is_right_is_left_alone(version, loss, deepspeed, processes):
+    c = call(version, loss, deepspeed=deepspeed, processes=processes)
+    if unpatched(c) == 1:
+        assert plan(c) == Plan(), (c, plan(c))
+
+
+# Measured unpatched, update / reference (the issue's tables and tests/test_trainer_scaling.py), GAS=4.
+MEASURED = {
+    ((4, 46, 3), "nokw", False, 1): GAS, ((4, 46, 3), "nokw", True, 1): 1,
+    ((4, 46, 3), "causal-lm", True, 1): 1 / GAS, ((4, 46, 3), "seq-cls", False, 1): GAS,
+    ((4, 48, 3), "causal-lm", True, 1): 1 / GAS, ((4, 48, 3), "nokw", True, 1): 1 / GAS,
+    ((4, 48, 3), "subclass-mean", True, 2): 1, ((4, 48, 3), "func-mean", True, 2): 1,
+    ((4, 57, 1), "seq-cls", False, 1): GAS,
+    ((5, 0, 0), "seq-cls", False, 1): GAS,
+    ((5, 3, 0), "seq-cls", False, 1): 1, ((5, 3, 0), "seq-cls", False, 2): 2,
+    ((5, 3, 0), "subclass-mean", False, 1): 1, ((5, 3, 0), "func-mean", False, 2): 2,
+    ((5, 3, 0), "causal-lm", False, 1): 1 / GAS, ((5, 3, 0), "causal-lm", True, 2): 1,
+    ((5, 23, 0), "seq-cls", False, 1): GAS, ((5, 23, 0), "seq-cls", False, 2): 2 * GAS,
+    ((5, 23, 0), "seq-cls", True, 2): 2 * GAS, ((5, 23, 0), "subclass-mean", False, 2): GAS,
+    ((5, 23, 0), "func-mean", False, 2): 2 * GAS, ((5, 23, 0), "causal-lm", True, 2): 1,
+}
+
+
+@pytest.mark.parametrize("case", MEASURED, ids=[f"{'.'.join(map(str, k[0]))}-{k[1]}-{'ds' if k[2] else 'nods'}-{k[3]}"
+                                               for k in MEASURED])
+def test_the_rules_reproduce_the_measured_unpatched_factors(case):
+    version, loss, deepspeed, processes = case
+    assert unpatched(call(version, loss, deepspeed=deepspeed, processes=processes)) == MEASURED[case]
 
 
 def test_a_short_window_is_divided_by_its_real_length():
-    """GAS=3, last window of 2 micro-batches, a model without loss kwargs on 4.46-4.47: divide by 2."""
-    c = call("4.46-4.47", "nokw", False, window=2)._replace(gas=3)
-    step = plan(c, IN_RANGE["4.46-4.47"])
-    assert step.divide_by == 2 and divisions(c, step) == 1.0
+    """GAS=4, a last window of 2 micro-batches: a mean loss on 5.23 is divided by 2, on 5.3 (accelerate
+    divides by GAS) it is put right too."""
+    for version in ((5, 23, 0), (5, 3, 0)):
+        c = call(version, "seq-cls", window=2)
+        assert applied_factor(c, plan(c)) == 1, version
 
 
-def test_outside_the_trainer_nothing_is_planned():
-    """Corrections off: the plan changes nothing (what a plain accelerate loop gets, as the wrapper
-    does not even plan outside a Trainer step)."""
-    c = call("4.48", "nokw", True)
-    assert plan(c, Corrections()) == (1, None, False)
+def test_a_statement_is_followed_not_measured():
+    """A trainer whose author stated the loss is per window (loss_is_scaled_for_ga=True, TRL's trainers) is not
+    demoted to a mean even though its loss never read num_items_in_batch."""
+    c = call((5, 23, 0), "subclass-mean", stated=True)
+    assert not c.loss_is_mean and plan(c) == Plan()
+
+
+def test_the_measurement_never_turns_a_mean_into_a_normalised_loss():
+    """A loss the Trainer divides (it believes a mean) stays divided even if it read the count (a metric)."""
+    facts = TrainerFacts(False, False, True, True, None, 2, GAS, GAS)
+    c = call_of((5, 23, 0), facts, reads_num_items=True, stated=False, base_ran=True, deepspeed=False,
+                scale_wrt_gas=False, accelerate_steps=1)
+    assert c.loss_is_mean and plan(c) == Plan()
+
+
+def test_loss_is_scaled_for_ga_is_read_from_5_19():
+    facts = TrainerFacts(True, False, True, True, False, 1, GAS, GAS)
+    assert trainer_believes_scaled((5, 18, 0), facts) and not trainer_believes_scaled((5, 19, 0), facts)

@@ -48,7 +48,8 @@ def _id_list(name: str, value: str) -> tuple[str, ...]:
         forms = (f"Valid forms: {name}=1 (every default fix), {name}=0 (off), or a comma list of: " if name == "ZEROFIX"
                  else f"Valid form: {name}=a comma list of fix ids, from: ")
         raise ConfigError(
-            f"{name}={value!r} is not valid: unknown fix id(s) {', '.join(unknown) or '(none given)'}. "
+            f"{name}={value!r} is not valid: unknown fix id(s) {', '.join(unknown) or '(none given)'}"
+            f"{catalogue.retired_note(unknown)}. "
             + forms + ", ".join(catalogue.ids())
         )
     return items

@@ -50,58 +50,35 @@ HOOK = "zerofix.fixes.deepspeed_output_hook_division"
 SHORT = "zerofix.fixes.accelerate_short_window"
 
 FIXES: tuple[Fix, ...] = (
-    # The Trainer's gradient-accumulation scaling, one mechanism (zerofix.fixes.trainer_scaling, rule in
-    # zerofix.scaling): each entry wraps Trainer.training_step (marks the Trainer's backward) and
-    # Accelerator.backward (divides exactly once); a plain accelerate loop is never touched.
+    # The Trainer's gradient-accumulation scaling (zerofix.fixes.trainer_scaling, rule in zerofix.scaling):
+    # training_step watches whether the loss reads num_items_in_batch, Accelerator.backward divides exactly
+    # once; a plain accelerate loop is never touched. Replaces transformers-nokw-undivided,
+    # transformers-deepspeed-double-division and transformers-accelerate-double-division (RETIRED below).
     Fix(
-        id="transformers-nokw-undivided",
-        title="Trainer never divides the loss of a model without loss kwargs by the accumulation window",
+        id="transformers-trainer-scaling",
+        title="Trainer scales the loss by gradient_accumulation_steps (and the number of processes) from a "
+        "guess at the forward's signature, and some releases divide twice or never",
         dist="transformers",
-        affected=">=4.46,<4.48",
+        # every release measured from 4.46.3 to 5.23.0 has a head it scales wrongly; #47688 is open
+        affected=">=4.46",
         targets=(
             Target("transformers.trainer", "Trainer.training_step", TRAINER + ":training_step"),
+            Target("transformers.trainer", "Trainer.compute_loss", TRAINER + ":compute_loss"),
             Target("transformers.trainer", "Trainer.get_batch_samples", TRAINER + ":get_batch_samples"),
             Target("accelerate.accelerator", "Accelerator.backward", TRAINER + ":backward"),
         ),
         implementation=TRAINER,
-        upstream=("https://github.com/huggingface/transformers/pull/35207",),
-        fixed_in="4.48.0",
-        where="Trainer without DeepSpeed (1 process or DDP), a model whose forward takes no **kwargs, "
-        "gradient_accumulation_steps > 1: updates are GAS times the correct ones",
-    ),
-    Fix(
-        id="transformers-deepspeed-double-division",
-        title="Trainer with DeepSpeed divides a loss that is already per window by "
-        "gradient_accumulation_steps again",
-        dist="transformers",
-        affected=">=4.46,<4.49",
-        targets=(
-            Target("transformers.trainer", "Trainer.training_step", TRAINER + ":training_step"),
-            Target("accelerate.accelerator", "Accelerator.backward", TRAINER + ":backward"),
-        ),
-        implementation=TRAINER,
-        upstream=("https://github.com/huggingface/transformers/pull/35808",),
-        fixed_in="4.49.0",
-        where="Trainer with DeepSpeed, gradient_accumulation_steps > 1: updates are 1/GAS of the correct "
-        "ones (4.46-4.47: models taking loss kwargs; 4.48: every model)",
-    ),
-    Fix(
-        id="transformers-accelerate-double-division",
-        title="Trainer without DeepSpeed divides the loss by gradient_accumulation_steps twice",
-        dist="transformers",
-        affected=">=5.2.0,<5.5.4",
-        targets=(
-            Target("transformers.trainer", "Trainer.training_step", TRAINER + ":training_step"),
-            Target("accelerate.accelerator", "Accelerator.backward", TRAINER + ":backward"),
-        ),
-        implementation=TRAINER,
         upstream=(
-            "https://github.com/huggingface/transformers/issues/45305",
+            "https://github.com/huggingface/transformers/issues/47688",
+            "https://github.com/huggingface/transformers/pull/35207",
+            "https://github.com/huggingface/transformers/pull/35808",
             "https://github.com/huggingface/transformers/pull/45349",
         ),
-        fixed_in="5.5.4",
-        where="Trainer without DeepSpeed (1 process or DDP), gradient_accumulation_steps > 1: "
-        "updates are 1/GAS of the correct ones",
+        fixed_in=None,
+        where="Trainer with gradient_accumulation_steps > 1: a head whose forward takes **kwargs but whose loss "
+        "ignores num_items_in_batch (sequence classification, ...; a compute_loss or compute_loss_func returning a "
+        "mean) trains at GAS x (and x processes) on every release; 4.46-4.47 never divide a loss without loss "
+        "kwargs, 4.46-4.48 with DeepSpeed and 5.2.0-5.5.3 without it divide a per-window loss twice",
     ),
     Fix(
         id="accelerate-short-last-window",
@@ -347,7 +324,21 @@ def by_id(fix_id: str) -> Fix:
     raise KeyError(fix_id)
 
 
+# Ids of earlier releases, merged into another entry: naming one gets an error that names its replacement.
+RETIRED = {
+    "transformers-nokw-undivided": "transformers-trainer-scaling",
+    "transformers-deepspeed-double-division": "transformers-trainer-scaling",
+    "transformers-accelerate-double-division": "transformers-trainer-scaling",
+}
+
+
+def retired_note(unknown) -> str:
+    """" (x was merged into y)" for every retired id among ``unknown``; empty when none is."""
+    merged = [f"{i} was merged into {RETIRED[i]}" for i in sorted(unknown) if i in RETIRED]
+    return f" ({'; '.join(merged)})" if merged else ""
+
+
 def unknown_ids_error(unknown) -> ValueError:
     return ValueError(
-        f"unknown zerofix fix id(s): {', '.join(sorted(unknown))}; valid ids: {', '.join(ids())}"
+        f"unknown zerofix fix id(s): {', '.join(sorted(unknown))}{retired_note(unknown)}; valid ids: {', '.join(ids())}"
     )

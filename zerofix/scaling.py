@@ -1,79 +1,132 @@
-"""Divide exactly once: the gradient-accumulation scaling rule of a Trainer step, as plain code.
+"""Divide exactly once, by what the loss is: the Trainer's gradient-accumulation scaling as plain code.
 
-Along Trainer.training_step -> Accelerator.backward -> (DeepSpeedEngineWrapper.backward ->
-engine.backward) the loss of one micro-batch must end up divided by the number of micro-batches in its
-accumulation window exactly once, or not at all when it is already a mean over the window's counted
-tokens (the model received ``num_items_in_batch``). Depending on the transformers release, zero or two
-of those places divide. This module decides, for one backward, what zerofix does about it; it knows
-nothing about patching and needs no distributed run to test (tests/test_scaling.py).
+Along Trainer.compute_loss -> Trainer.training_step -> Accelerator.backward (-> engine.backward) the value
+``compute_loss`` returns must reach the gradient divided by the right amount:
 
-The facts of a call (``Call``) come from the release (read off the catalogue's version ranges) and from
-the Trainer (does the model take loss kwargs, did it get ``num_items_in_batch``, how long is the
-window); the corrections (``Corrections``) are the catalogue entries that are applied. ``plan`` returns
-what to do: divide the loss by the window, tell DeepSpeed not to divide, make accelerate divide by 1.
-``divisions`` counts what the whole path then divides by, which is what the tests hold against 1.
+- a loss normalised by ``num_items_in_batch`` (a sum over the window's counted items divided by their
+  number, multiplied by the number of processes when the count is across devices) is already per window:
+  nothing may divide it again;
+- any other loss is a mean over its micro-batch: it must be divided by the number of micro-batches in
+  the window, and not multiplied by the number of processes.
+
+Which of the two a loss is, the Trainer guesses from the forward's signature (``**kwargs``); zerofix
+measures it (``zerofix.fixes.trainer_scaling``: did computing the loss read ``num_items_in_batch``?) or
+takes it from an explicit statement. What each release does along the path is read off its source
+(``release_rules``), one function per place that multiplies or divides; ``plan`` compares the product with
+what the loss needs and says what to change, and nothing where they agree. This module knows nothing
+about patching and needs no distributed run to test (tests/test_scaling.py).
 """
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import NamedTuple
 
 
+class TrainerFacts(NamedTuple):
+    """What a release's Trainer reads when it scales one micro-batch's loss."""
+
+    accepts_loss_kwargs: bool  # trainer.model_accepts_loss_kwargs (the Trainer's guess, or a statement)
+    compute_loss_func: bool  # trainer.compute_loss_func is not None
+    num_items: bool  # num_items_in_batch is not None
+    average_tokens: bool  # args.average_tokens_across_devices
+    loss_is_scaled_for_ga: bool | None  # the statement of transformers >= 5.19 (None: not stated)
+    processes: int  # accelerator.num_processes
+    gas: int  # args.gradient_accumulation_steps
+    window: int  # micro-batches in this window (current_gradient_accumulation_steps)
+
+
+def _at_least(version: tuple[int, ...], *floor: int) -> bool:
+    return tuple(version[:len(floor)]) >= floor
+
+
+def trainer_believes_scaled(version: tuple[int, ...], f: TrainerFacts) -> bool:
+    """Whether training_step treats the loss as already per window (and skips its own division)."""
+    if not _at_least(version, 4, 48):  # 4.46-4.47 never divide; the loss kwargs decide what it is meant to be
+        return f.accepts_loss_kwargs and f.num_items
+    if _at_least(version, 5, 19) and f.loss_is_scaled_for_ga is not None:
+        return f.loss_is_scaled_for_ga
+    if not _at_least(version, 4, 54):  # 4.48-4.53: no num_items condition
+        return f.accepts_loss_kwargs or f.compute_loss_func
+    return (f.accepts_loss_kwargs and f.num_items) or f.compute_loss_func
+
+
+def trainer_division(version: tuple[int, ...], f: TrainerFacts) -> int:
+    """What training_step divides the loss by before Accelerator.backward."""
+    if not _at_least(version, 4, 48) or trainer_believes_scaled(version, f):
+        return 1
+    return f.window if _at_least(version, 4, 55) else f.gas  # current_gradient_accumulation_steps from 4.55
+
+
+def world_multiplier(version: tuple[int, ...], f: TrainerFacts) -> int:
+    """What Trainer.compute_loss multiplies the loss by (average_tokens_across_devices)."""
+    if not f.average_tokens:
+        return 1
+    if not _at_least(version, 4, 49):  # 4.46-4.48
+        return f.processes if f.accepts_loss_kwargs else 1
+    return f.processes if (f.accepts_loss_kwargs or f.compute_loss_func) and f.num_items else 1
+
+
 class Call(NamedTuple):
-    """One backward of a Trainer step, as the release and the Trainer shape it."""
+    """One backward of a Trainer step: what the loss is, and what the path does to it."""
 
-    deepspeed: bool  # the accelerator runs DeepSpeed (engine.backward scales unless scale_wrt_gas=False)
-    token_normalised: bool  # the model took num_items_in_batch: the loss is a mean over the window's tokens
-    trainer_divides: bool  # the release's training_step divides this loss by the window length itself
-    nokw_undivided: bool  # the release leaves this loss (a model without loss kwargs) undivided: 4.46-4.47
-    window: int  # micro-batches in this accumulation window (the last of an epoch may be shorter)
-    gas: int  # the configured gradient_accumulation_steps: what DeepSpeed and accelerate divide by
-    accelerate_divides: bool  # the Trainer built its Accelerator with num_steps=GAS (5.2.0-5.5.3)
-    scale_wrt_gas: bool  # what the Trainer passes to engine.backward (False from 4.49)
+    loss_is_mean: bool  # a micro-batch mean (measured or stated), not normalised by num_items_in_batch
+    world_multiplied: int  # what compute_loss multiplied it by (1 when the base compute_loss did not run)
+    trainer_divided: int  # what training_step divided it by
+    window: int  # micro-batches in this window
+    downstream: int  # what accelerate (no DeepSpeed) or the engine (scale_wrt_gas) divides by afterwards
+    deepspeed: bool
 
 
-class Corrections(NamedTuple):
-    """The applied catalogue entries of the Trainer's scaling (their ids in zerofix.catalogue)."""
-
-    nokw_undivided: bool = False  # transformers-nokw-undivided
-    deepspeed_double_division: bool = False  # transformers-deepspeed-double-division
-    accelerate_double_division: bool = False  # transformers-accelerate-double-division
+def call_of(version: tuple[int, ...], facts: TrainerFacts, *, reads_num_items: bool | None, stated: bool,
+            base_ran: bool, deepspeed: bool, scale_wrt_gas: bool, accelerate_steps: int) -> Call:
+    """The Call of one backward. ``reads_num_items``: the verdict of the watch (None: none yet);
+    ``stated``: someone said, rather than the Trainer guessed, what the loss is; ``base_ran``: the base
+    Trainer.compute_loss ran; ``accelerate_steps``: what accelerate divides by without DeepSpeed."""
+    believed = trainer_believes_scaled(version, facts)
+    # The measurement only demotes: a loss the Trainer believes per window that never read the count is a
+    # mean. A loss the Trainer divides is left to the Trainer (it may normalise by its own means).
+    mean = not believed or (facts.num_items and not stated and reads_num_items is False)
+    downstream = (facts.gas if scale_wrt_gas else 1) if deepspeed else accelerate_steps
+    return Call(loss_is_mean=mean,
+                world_multiplied=world_multiplier(version, facts) if base_ran else 1,
+                trainer_divided=trainer_division(version, facts),
+                window=facts.window, downstream=downstream, deepspeed=deepspeed)
 
 
 class Plan(NamedTuple):
-    divide_by: int  # zerofix divides the loss by this before accelerate sees it (1: nothing)
-    scale_wrt_gas: bool | None  # None: leave the call's; False: DeepSpeed must not divide
-    accelerate_divisor_one: bool  # accelerate divides by 1 for this call
+    multiply_by: int = 1  # applied to the loss before Accelerator.backward
+    divide_by: int = 1
+    no_downstream_division: bool = False  # accelerate divides by 1 / engine.backward(scale_wrt_gas=False)
+
+    @property
+    def changes(self) -> bool:
+        return self != Plan()
 
 
-def plan(call: Call, fixes: Corrections) -> Plan:
-    divide_by = 1
-    normalised = call.token_normalised or call.trainer_divides
-    engine_divides_alone = call.deepspeed and call.scale_wrt_gas and not fixes.deepspeed_double_division
-    if fixes.nokw_undivided and call.nokw_undivided and not normalised and not engine_divides_alone:
-        # transformers #35207 (4.48) divides by GAS; the window's real length is what the mean needs.
-        # Not when DeepSpeed will divide and nothing tells it not to: its division is then the only one.
-        divide_by, normalised = call.window, True
-    scale_wrt_gas = None
-    if fixes.deepspeed_double_division and call.deepspeed and normalised and call.scale_wrt_gas:
-        # transformers #35808 (4.49): the loss is already per window, the engine must not divide again.
-        # Left alone for a loss nobody divided (a model without loss kwargs on 4.46-4.47 with the nokw
-        # entry excluded): there DeepSpeed's division is the only one, and correct.
-        scale_wrt_gas = False
-    accelerate_one = fixes.accelerate_double_division and not call.deepspeed and call.accelerate_divides
-    return Plan(divide_by, scale_wrt_gas, accelerate_one)
+def needed(call: Call) -> Fraction:
+    """The factor the loss reaching Accelerator.backward must still be multiplied by (1: right as it is)."""
+    wanted = Fraction(call.world_multiplied * call.window) if call.loss_is_mean else Fraction(1)
+    done = Fraction(call.trainer_divided * call.downstream)
+    return done / wanted
 
 
-def divisions(call: Call, step: Plan) -> float:
-    """What the whole path divides the model's loss by, with ``step`` applied, relative to what it should
-    divide by: 1.0 means exactly right (for a token-normalised loss the right divisor is 1)."""
-    total = step.divide_by
-    if call.trainer_divides:
-        total *= call.window  # current_gradient_accumulation_steps (4.48 divides by GAS: no short windows)
-    if call.deepspeed:
-        scale = call.scale_wrt_gas if step.scale_wrt_gas is None else step.scale_wrt_gas
-        if scale:
-            total *= call.gas
-    elif call.accelerate_divides and not step.accelerate_divisor_one:
-        total *= call.gas
-    wanted = 1 if call.token_normalised else call.window
+def plan(call: Call) -> Plan:
+    """What to change so the path divides exactly once: nothing where it already does. A division after
+    backward that must not happen is switched off (what upstream's own fixes do: accelerate's num_steps=1,
+    scale_wrt_gas=False) rather than compensated; the rest is an integer factor on the loss."""
+    factor = needed(call)
+    if factor == 1:
+        return Plan()
+    off = call.downstream > 1 and factor.numerator % call.downstream == 0
+    if off:
+        factor /= call.downstream
+    return Plan(factor.numerator, factor.denominator, off)
+
+
+def applied_factor(call: Call, step: Plan) -> Fraction:
+    """The total the path multiplies compute_loss's value by, with ``step`` carried out, relative to what the
+    loss needs: 1 means exactly right (the tests hold every case against it)."""
+    downstream = 1 if step.no_downstream_division else call.downstream
+    total = Fraction(step.multiply_by, step.divide_by) / (call.trainer_divided * downstream)
+    wanted = Fraction(1, call.world_multiplied * call.window) if call.loss_is_mean else Fraction(1)
     return total / wanted

@@ -24,3 +24,10 @@ def version_in_range(version: str, affected: str) -> bool:
     from packaging.version import Version
 
     return SpecifierSet(affected).contains(Version(version), prereleases=True)
+
+
+def release_tuple(version: str) -> tuple[int, ...]:
+    """``"5.3.0"`` -> (5, 3, 0); ``"5.9.0.dev0"`` -> (5, 9, 0): the release numbers a rule compares."""
+    from packaging.version import Version
+
+    return Version(version).release

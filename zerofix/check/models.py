@@ -1,8 +1,13 @@
 """Tiny randomly initialised models and a deterministic token dataset (nothing is downloaded).
 
-Two model kinds cover the two normalisation paths of the Trainer:
+The model kinds cover the Trainer's normalisation paths:
 - ``causal-lm``: a transformers LlamaForCausalLM, whose forward takes loss kwargs (num_items_in_batch);
-- ``custom``: a module whose forward has no ``**kwargs``, returning the mean loss of its micro-batch.
+- ``custom``: a module whose forward has no ``**kwargs``, returning the mean loss of its micro-batch;
+- ``seq-cls-llama`` / ``seq-cls-bert``: LlamaForSequenceClassification and BertForSequenceClassification,
+  whose forwards take ``**kwargs`` (on the releases that have them) but whose loss is the mean over the
+  micro-batch's samples: the Trainer's guess from the signature is wrong for them;
+- ``peft-seq-cls-llama``: the Llama classifier wrapped by PEFT (LoRA), where peft is installed.
+A sequence-level kind's samples carry one class label each (``TASK``).
 """
 from __future__ import annotations
 
@@ -13,7 +18,14 @@ from torch import nn
 VOCAB = 64
 SEQ = 12
 IGNORE = -100
-MODEL_KINDS = ("causal-lm", "custom")
+NUM_LABELS = 3
+MODEL_KINDS = ("causal-lm", "custom", "seq-cls-llama", "seq-cls-bert", "peft-seq-cls-llama")
+SEQUENCE_KINDS = ("seq-cls-llama", "seq-cls-bert", "peft-seq-cls-llama")
+
+
+def task_of(kind: str) -> str:
+    """"sequence" (one label per sample, the loss a mean over samples) or "token" (next-token labels)."""
+    return "sequence" if kind in SEQUENCE_KINDS else "token"
 
 
 class TinyNoKwargsLM(nn.Module):
@@ -57,19 +69,44 @@ def build_model(kind: str, seed: int = 0, *, loss_only: bool = False) -> nn.Modu
     torch.manual_seed(seed)
     if kind == "custom":
         return TinyNoKwargsLM(loss_only=loss_only)
-    if kind == "causal-lm":
-        from transformers import LlamaConfig, LlamaForCausalLM
+    if kind in ("causal-lm", "seq-cls-llama", "peft-seq-cls-llama"):
+        from transformers import LlamaConfig
 
         config = LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-            tie_word_embeddings=False, attn_implementation="eager",
+            tie_word_embeddings=False, attn_implementation="eager", num_labels=NUM_LABELS,
         )
-        return LlamaForCausalLM(config)
+        if kind == "causal-lm":
+            from transformers import LlamaForCausalLM
+
+            return LlamaForCausalLM(config)
+        from transformers import LlamaForSequenceClassification
+
+        model = LlamaForSequenceClassification(config)
+        # Set after construction: a pad id in the config gives the embedding a padding_idx row that
+        # initialisation zeroes, which fails on a ZeRO-3 partition (the second model a job builds).
+        model.config.pad_token_id = 0  # the classifier pools the last token before the padding
+        if kind == "peft-seq-cls-llama":
+            from peft import LoraConfig, get_peft_model
+
+            # the classifier head trains in full (modules_to_save), the attention projections through LoRA
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                     task_type="SEQ_CLS", init_lora_weights=False))
+        return model
+    if kind == "seq-cls-bert":
+        from transformers import BertConfig, BertForSequenceClassification
+
+        config = BertConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64, num_labels=NUM_LABELS, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, attn_implementation="eager",
+        )
+        return BertForSequenceClassification(config)
     raise ValueError(f"unknown model kind {kind!r}; choose from {MODEL_KINDS}")
 
 
-def sample(index: int, seed: int = 0) -> dict:
+def sample(index: int, seed: int = 0, task: str = "token") -> dict:
     """Sample ``index``: random tokens of a random length (so micro-batches count different numbers
     of tokens), right-padded. Labels ignore the padding and position 0: the Trainer counts unshifted
     labels while causal LMs predict shifted ones, and a label at position 0 would make the two differ."""
@@ -80,6 +117,8 @@ def sample(index: int, seed: int = 0) -> dict:
     ids = ids * mask
     labels = ids.masked_fill(mask == 0, IGNORE)
     labels[0] = IGNORE
+    if task == "sequence":  # one class per sample, from its tokens
+        labels = torch.tensor(int(ids.sum()) % NUM_LABELS)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
@@ -88,8 +127,17 @@ def stack(items) -> dict:
     return {k: torch.stack([torch.as_tensor(it[k]) for it in items]) for k in items[0]}
 
 
-def collate(indices, seed: int = 0) -> dict:
-    return stack([sample(i, seed) for i in indices])
+def collate(indices, seed: int = 0, task: str = "token") -> dict:
+    return stack([sample(i, seed, task) for i in indices])
+
+
+def loss_sum(kind: str, model: nn.Module, batch: dict) -> tuple[torch.Tensor, int]:
+    """(sum of the counted items' losses, number of counted items) of one micro-batch, by the kind's task."""
+    if task_of(kind) == "token":
+        return token_loss_sum(model, batch)
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    logits = out["logits"] if isinstance(out, dict) else out.logits
+    return F.cross_entropy(logits, batch["labels"], reduction="sum"), int(batch["labels"].numel())
 
 
 def token_loss_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, int]:
@@ -102,11 +150,11 @@ def token_loss_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, int]:
 class IndexedDataset(torch.utils.data.Dataset):
     """Items carry their index so the training script can record exactly what each rank consumed."""
 
-    def __init__(self, size: int, seed: int = 0):
-        self.size, self.seed = size, seed
+    def __init__(self, size: int, seed: int = 0, task: str = "token"):
+        self.size, self.seed, self.task = size, seed, task
 
     def __len__(self):
         return self.size
 
     def __getitem__(self, index):
-        return {"sample_idx": index, **sample(index, self.seed)}
+        return {"sample_idx": index, **sample(index, self.seed, self.task)}

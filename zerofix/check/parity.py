@@ -8,10 +8,16 @@ from zerofix.check import launch, reference
 
 TRAINER_GAS = "zerofix.check.scenarios.trainer_gas"
 LOSS_MODE = {"causal-lm": "token-mean", "custom": "batch-mean"}
+# Trainer cells whose loss is computed by the Trainer's user, not the model (``loss`` of a cell): the
+# micro-batch mean of the causal LM's tokens, returned by a compute_loss override or a compute_loss_func.
+MEAN_LOSSES = ("subclass-mean", "func-mean")
 
 
-def loss_mode_of(model: str) -> str:
-    """The loss a model kind means: a Hugging Face model (``hf:<config>``) takes loss kwargs, as causal-lm."""
+def loss_mode_of(model: str, loss: str = "model") -> str:
+    """The loss a model kind means: a Hugging Face model (``hf:<config>``) takes loss kwargs, as causal-lm; a
+    sequence-level head counts samples (token-mean over samples); a user's micro-batch mean is a batch-mean."""
+    if loss in MEAN_LOSSES:
+        return "batch-mean"
     return LOSS_MODE.get(model, "token-mean")
 
 
@@ -40,13 +46,30 @@ def trainer_cells(out_dir, cells, *, nproc: int = 1, zero_stage: int | None = No
     results = {}
     for cell in cells:
         cell_records = [r for r in records if r["cell_dir"] == cell["name"]]
-        loss_mode = loss_mode_of(cell["model"])
+        loss_mode = loss_mode_of(cell["model"], cell.get("loss", "model"))
         if loss_mode == "token-mean" and not cell.get("average_tokens", True):
             loss_mode = "rank-token-mean"  # each rank normalises by its own tokens, then ranks are averaged
         results[cell["name"]] = compare_variants(out_dir / cell["name"], cell_records, model=cell["model"],
                                                  nproc=nproc, lr=cell.get("lr", lr), loss_mode=loss_mode,
                                                  clip=cell.get("clip", 0.0))
+        if "patched" in results[cell["name"]]:
+            results[cell["name"]]["patched"]["bitwise_as_unpatched"] = bitwise_same(out_dir / cell["name"])
     return results
+
+
+def bitwise_same(cell_dir: Path) -> bool | None:
+    """Whether the patched run ended with bitwise the unpatched run's weights, having started from bitwise the
+    same ones; None when the cell did not run both, or the two started apart (a second model built under
+    ZeRO-3 is initialised differently)."""
+    import torch
+
+    paths = {v: (cell_dir / v / "init.pt", cell_dir / v / "final.pt") for v in ("unpatched", "patched")}
+    if not all(p.exists() for pair in paths.values() for p in pair):
+        return None
+    (init_u, final_u), (init_p, final_p) = ([torch.load(p) for p in pair] for pair in paths.values())
+    if not all(torch.equal(init_u[k], init_p[k]) for k in init_u):
+        return None
+    return all(torch.equal(final_u[k], final_p[k]) for k in final_u)
 
 
 ACCELERATE_LOOP = "zerofix.check.scenarios.accelerate_loop"
@@ -95,10 +118,12 @@ def compare_variants(out_dir: Path, records: list[dict], *, model: str, nproc: i
                      loss_mode: str | None = None, also_last: bool = False, clip: float = 0.0) -> dict:
     import torch
 
-    init = torch.load(out_dir / "init.pt")
+    shared_init = torch.load(out_dir / "init.pt")
     loss_mode = loss_mode or loss_mode_of(model)
     results = {}
     for variant in sorted({r["variant"] for r in records}):
+        own = out_dir / variant / "init.pt"  # the weights this variant started from, where it saved them
+        init = torch.load(own) if own.exists() else shared_init
         ranks = sorted((r for r in records if r["variant"] == variant), key=lambda r: r["rank"])
         if len(ranks) != nproc:
             raise launch.LaunchError(f"{variant}: {len(ranks)} of {nproc} ranks reported")

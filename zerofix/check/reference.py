@@ -36,16 +36,19 @@ def reference_state(kind: str, init_state: dict, windows, *, loss_mode: str, opt
     optimizer = optimizer_factory(model.parameters())
     for window in windows:
         optimizer.zero_grad(set_to_none=True)
-        _objective(model, window, loss_mode, last_of_each=last_of_each, ranks=ranks, seed=seed).backward()
+        _objective(model, window, loss_mode, last_of_each=last_of_each, ranks=ranks, seed=seed, kind=kind).backward()
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _objective(model, window, loss_mode: str, *, last_of_each: int = 0, ranks: int = 1, seed: int = 0):
-    """The loss the user means over one window (see the module docstring)."""
-    sums, counts = zip(*(models.token_loss_sum(model, models.collate(mb, seed)) for mb in window))
+def _objective(model, window, loss_mode: str, *, last_of_each: int = 0, ranks: int = 1, seed: int = 0,
+               kind: str = "causal-lm"):
+    """The loss the user means over one window (see the module docstring); a sequence-level kind counts
+    samples where a token-level one counts tokens."""
+    task = models.task_of(kind)
+    sums, counts = zip(*(models.loss_sum(kind, model, models.collate(mb, seed, task)) for mb in window))
     kept = range(len(window))
     if last_of_each:
         per_rank = len(window) // last_of_each
@@ -66,7 +69,7 @@ def window_loss(kind: str, state: dict, window, *, loss_mode: str, ranks: int = 
     model = models.build_model(kind, seed).double()
     model.load_state_dict({k: v.double() for k, v in state.items()})
     with torch.no_grad():
-        return float(_objective(model, window, loss_mode, ranks=ranks, seed=seed))
+        return float(_objective(model, window, loss_mode, ranks=ranks, seed=seed, kind=kind))
 
 
 def compare(init: dict, measured: dict, reference: dict) -> dict:

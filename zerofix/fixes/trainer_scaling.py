@@ -1,192 +1,245 @@
-"""The Trainer's gradient-accumulation scaling: three catalogue entries, one mechanism.
+"""The Trainer's gradient-accumulation scaling, decided by what the loss does: ``transformers-trainer-scaling``.
 
-Three entries correct the same path, Trainer.training_step -> Accelerator.backward -> DeepSpeed, on
-different releases:
+Along Trainer.compute_loss -> training_step -> Accelerator.backward (-> engine.backward) a loss must be
+divided exactly once by its accumulation window, or not at all when it is normalised by
+``num_items_in_batch``. The Trainer decides which from the forward's signature (``**kwargs``), and each
+release divides in its own places: 4.46-4.47 never divide a loss without loss kwargs (#35207), 4.46-4.48 with
+DeepSpeed divide a per-window loss again (#35808), 5.2.0-5.5.3 let accelerate divide again (#45349), and
+every release from 4.46 skips the division for a head that takes ``**kwargs`` but returns a plain mean
+(sequence classification, ...; #47688 open) and multiplies it by the number of processes.
 
-``transformers-nokw-undivided`` (transformers >=4.46,<4.48)
-    4.46 stopped dividing the loss by gradient_accumulation_steps in training_step, relying on the model
-    normalising by ``num_items_in_batch``. A model whose forward takes no ``**kwargs`` never sees that count
-    and returns its micro-batch mean, which nothing divides without DeepSpeed: updates are GAS times too
-    large (measured 8.000 at GAS=8, 1 process and 2-rank DDP). With DeepSpeed the engine's own division
-    happens to be the only one. Upstream (#35207, 4.48.0) divides by GAS in training_step; zerofix divides
-    by the window's real length (what ``get_batch_samples`` fetched), and then the DeepSpeed entry lets the
-    engine divide by 1, as on 4.49.
-``transformers-deepspeed-double-division`` (transformers >=4.46,<4.49, with DeepSpeed)
-    From 4.46 the Trainer hands Accelerator.backward a loss that is already per window: the model normalised
-    it by ``num_items_in_batch`` (models taking loss kwargs), or, from 4.48, the Trainer divided it by GAS.
-    With DeepSpeed, accelerate passes it to ``engine.backward``, which divides by GAS again (its default
-    ``scale_wrt_gas=True``): updates of 1/GAS (measured 0.125 at GAS=8, ZeRO-2 and ZeRO-3, 1 and 2 ranks;
-    4.46-4.47 models with loss kwargs, 4.48 every model). Upstream (#35808, 4.49.0) passes
-    ``scale_wrt_gas=False`` from training_step; zerofix passes it from its Accelerator.backward wrapper, for
-    the Trainer's calls only and only when the loss is already per window.
-``transformers-accelerate-double-division`` (transformers >=5.2.0,<5.5.4)
-    From 5.2.0 the Trainer builds its Accelerator with ``num_steps=gradient_accumulation_steps``, so
-    ``Accelerator.backward`` divides by GAS a loss the Trainer already divided (or the model already
-    normalised by ``num_items_in_batch``): every non-DeepSpeed update is 1/GAS of the intended one.
-    DeepSpeed is unaffected (accelerate leaves scaling to the engine, which the Trainer tells not to).
-    Upstream (#45349, 5.5.4) gives accelerate ``num_steps=1``; zerofix makes accelerate divide by 1 for the
-    Trainer's own backward calls only, so a plain ``accelerator.accumulate`` loop keeps its division.
+One mechanism (the rule is ``zerofix.scaling``, plain code):
 
-Each entry wraps the same attributes with the wrappers below; when two are applied (4.46-4.47) their layers
-stack, and the outermost layer of each call does the whole job while inner layers pass through, so no
-correction is applied twice (the rule is ``zerofix.scaling``):
+- ``training_step`` opens a step on the trainer's accelerator; until the trainer has a verdict it hands the
+  Trainer a *watched* ``num_items_in_batch`` (``zerofix.num_items_watch``): the loss's value is bitwise the
+  same, and whether computing it read the count at all is measured on the real call, no extra forward;
+- ``compute_loss`` (the base Trainer's) records that it ran, so its multiplication by the number of
+  processes is known to have happened;
+- ``get_batch_samples`` records the window's real length;
+- ``backward`` (Accelerator.backward) asks ``scaling.plan`` what the path does to this loss against what it
+  needs, and changes nothing where they agree. Otherwise it switches a second division off (accelerate's
+  divisor 1, ``scale_wrt_gas=False``: what upstream's own fixes do) and puts the rest on the loss.
 
-- ``training_step`` opens a ``TrainerStep`` on the trainer's accelerator for the duration of the call:
-  the backward inside it is the Trainer's (a plain ``accelerator.accumulate`` loop is never touched);
-- ``backward`` (Accelerator.backward) reads the facts of the call, asks ``zerofix.scaling.plan`` what
-  the applied entries require, and carries it out: divide the loss by the window's real length, pass
-  ``scale_wrt_gas=False`` to DeepSpeed, or let accelerate divide by 1 for this call;
-- ``get_batch_samples`` records how many micro-batches the Trainer fetched for the window (the last
-  window of an epoch can be shorter than gradient_accumulation_steps).
+The verdict: a loss the Trainer believes per window, with no explicit statement, whose computation never
+read ``num_items_in_batch`` is a micro-batch mean. Explicit statements win over the measurement: the
+Trainer's ``loss_is_scaled_for_ga`` (transformers >= 5.19, TRL's trainers on any release), a non-callable
+``compute_loss_func`` (TRL's marker for it before 5.19), ``accepts_loss_kwargs`` on the model, and a
+``model_accepts_loss_kwargs`` set on the trainer against its forward's signature. The measurement only ever
+turns "per window" into "mean", never the reverse: a loss the Trainer divides is left to the Trainer.
+
+Ambiguity list (docs/fixes.md, each with its test in tests/test_trainer_scaling.py):
+- a loss normalised by ``num_items_in_batch`` (every causal LM head, TRL's SFT): read -> the Trainer's
+  belief, bitwise the unpatched path where that path is right;
+- a loss that reads the count for something else (a metric): read -> treated as normalised, as upstream;
+- a ``compute_loss`` that normalises per window by its own count without reading ``num_items_in_batch``
+  and without a statement: indistinguishable from a micro-batch mean, treated as one (upstream documents
+  ``loss_is_scaled_for_ga`` / ``model_accepts_loss_kwargs = False`` for exactly this);
+- transformers 4.46-4.48 pass the count as an int, which cannot be watched: for the first step only, the
+  Trainer's count is handed on as a 0-dim int64 tensor (same value, bitwise the same division);
+- a plain ``accelerator.accumulate`` loop is never touched (no Trainer step is open).
 
 Trainers created before ``patch()`` are covered (the wrappers are on the classes), and ``unpatch()`` leaves
-no state behind.
-
-Ambiguity list (docs/fixes.md): the entries react to the Trainer's own backward of a loss the Trainer believes
-normalised by ``num_items_in_batch``, a belief it takes from the forward's signature (``**kwargs``). A head that
-takes ``**kwargs`` but returns a plain mean (sequence classification), a ``compute_loss`` override or a
-``compute_loss_func`` returning a mean, and TRL's GKDTrainer produce the same observation and are right
-unpatched on 5.2.0 - 5.5.3 and 4.48: there these entries are known to harm (1.0 -> 4.0). Deciding from what the
-loss does instead is the open issue "Any model the Trainer trains". A plain ``accelerator.accumulate`` loop
-is never touched (tests/test_accelerate_loop.py).
+no state behind: the verdicts live in a weak mapping, not on the user's objects.
 """
 from __future__ import annotations
 
 import inspect
+import logging
+import weakref
 
 from accelerate.utils import DistributedType  # imported by the fixes only, once accelerate is
 
-from zerofix import applied, catalogue, scaling, versions
+from zerofix import num_items_watch, scaling, versions
 from zerofix.fixes.contract import Check, drifted, found
 
-NOKW = "transformers-nokw-undivided"
-DEEPSPEED = "transformers-deepspeed-double-division"
-ACCELERATE = "transformers-accelerate-double-division"
-FIX_IDS = (NOKW, DEEPSPEED, ACCELERATE)
+FIX_ID = "transformers-trainer-scaling"
+FIX_IDS = (FIX_ID,)
 _STEP = "_zerofix_trainer_step"  # in accelerator.__dict__ while a Trainer step runs
-_WINDOW = "_zerofix_window"  # in trainer.__dict__: micro-batches of the current window
+_log = logging.getLogger("zerofix")
+_verdicts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> loss reads num_items (bool)
+_windows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> micro-batches of its window
+_stated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> stated(trainer), read once
 
 
 class TrainerStep:
-    __slots__ = ("trainer", "num_items_in_batch", "handled")
+    __slots__ = ("trainer", "num_items", "watching", "base_ran", "handled")
 
-    def __init__(self, trainer, num_items_in_batch):
-        self.trainer, self.num_items_in_batch = trainer, num_items_in_batch
+    def __init__(self, trainer, num_items, watching):
+        self.trainer, self.num_items, self.watching = trainer, num_items, watching
+        self.base_ran = False  # the base Trainer.compute_loss ran (and multiplied by the processes if it does)
         self.handled = False
 
 
-_release_leaves_nokw_undivided = None
+_release = None
 
 
-def release_leaves_nokw_undivided() -> bool:
-    """Whether the installed Trainer leaves the loss of a model without loss kwargs undivided (the nokw
-    entry's range, whether or not that entry is applied: the DeepSpeed entry must know either way)."""
-    global _release_leaves_nokw_undivided  # a cache of an installed-version fact, not patch state
-    if _release_leaves_nokw_undivided is None:
-        version = versions.installed_version("transformers")
-        _release_leaves_nokw_undivided = bool(version) and versions.version_in_range(
-            version, catalogue.by_id(NOKW).affected)
-    return _release_leaves_nokw_undivided
+def release() -> tuple[int, ...]:
+    global _release  # a cache of an installed-version fact, not patch state
+    if _release is None:
+        _release = versions.release_tuple(versions.installed_version("transformers") or "0")
+    return _release
 
 
 def structural_check(fix_id: str, targets) -> Check:
-    """The signatures the wrappers read, plus what each entry's correction relies on."""
-    if fix_id == NOKW:
-        params = list(inspect.signature(targets["Trainer.get_batch_samples"]).parameters)
-        if params[:3] != ["self", "epoch_iterator", "num_batches"]:
-            return drifted(f"Trainer.get_batch_samples{tuple(params)} is not (self, epoch_iterator, num_batches, ...)")
-    elif fix_id == DEEPSPEED:
-        from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
-
-        params = inspect.signature(DeepSpeedEngineWrapper.backward).parameters.values()
-        if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params):
-            return drifted("DeepSpeedEngineWrapper.backward takes no **kwargs: scale_wrt_gas cannot reach "
-                           "engine.backward")
-    elif fix_id == ACCELERATE:
-        from accelerate.accelerator import Accelerator
-
-        prop = inspect.getattr_static(Accelerator, "gradient_accumulation_steps", None)
-        if not isinstance(prop, property) or prop.fset is None:
-            return drifted("Accelerator.gradient_accumulation_steps is no longer a settable property")
-    else:
+    """The signatures the wrappers read."""
+    if fix_id != FIX_ID:
         raise KeyError(fix_id)
-    step = targets.get("Trainer.training_step")
-    if step is not None:
-        params = list(inspect.signature(step).parameters)
-        if params[:4] != ["self", "model", "inputs", "num_items_in_batch"]:
-            return drifted(f"Trainer.training_step{tuple(params)} is not "
-                           "(self, model, inputs, num_items_in_batch, ...)")
-    backward = targets.get("Accelerator.backward")
-    if backward is not None:
-        params = list(inspect.signature(backward).parameters.values())
-        if [p.name for p in params[:2]] != ["self", "loss"] or params[-1].kind != inspect.Parameter.VAR_KEYWORD:
-            return drifted(f"Accelerator.backward{tuple(p.name for p in params)} is not (self, loss, **kwargs)")
+    params = list(inspect.signature(targets["Trainer.training_step"]).parameters)
+    if params[:4] != ["self", "model", "inputs", "num_items_in_batch"]:
+        return drifted(f"Trainer.training_step{tuple(params)} is not (self, model, inputs, num_items_in_batch, ...)")
+    params = list(inspect.signature(targets["Trainer.compute_loss"]).parameters)
+    if params[:2] != ["self", "model"] or "num_items_in_batch" not in params:
+        return drifted(f"Trainer.compute_loss{tuple(params)} takes no num_items_in_batch")
+    params = list(inspect.signature(targets["Trainer.get_batch_samples"]).parameters)
+    if params[:3] != ["self", "epoch_iterator", "num_batches"]:
+        return drifted(f"Trainer.get_batch_samples{tuple(params)} is not (self, epoch_iterator, num_batches, ...)")
+    params = list(inspect.signature(targets["Accelerator.backward"]).parameters.values())
+    if [p.name for p in params[:2]] != ["self", "loss"] or params[-1].kind != inspect.Parameter.VAR_KEYWORD:
+        return drifted(f"Accelerator.backward{tuple(p.name for p in params)} is not (self, loss, **kwargs)")
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+    params = inspect.signature(DeepSpeedEngineWrapper.backward).parameters.values()
+    if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params):
+        return drifted("DeepSpeedEngineWrapper.backward takes no **kwargs: scale_wrt_gas cannot reach engine.backward")
+    from accelerate.accelerator import Accelerator
+
+    prop = inspect.getattr_static(Accelerator, "gradient_accumulation_steps", None)
+    if not isinstance(prop, property) or prop.fset is None:
+        return drifted("Accelerator.gradient_accumulation_steps is no longer a settable property")
     return found()
+
+
+def _num_items_arg(args, kwargs):
+    if "num_items_in_batch" in kwargs:
+        return kwargs["num_items_in_batch"]
+    return args[2] if len(args) > 2 else None
+
+
+def _with_num_items(args, kwargs, value):
+    if "num_items_in_batch" in kwargs or len(args) <= 2:
+        return args, {**kwargs, "num_items_in_batch": value}
+    return (*args[:2], value, *args[3:]), kwargs
 
 
 def training_step(wrapped, trainer, args, kwargs):
     accelerator = getattr(trainer, "accelerator", None)
-    if accelerator is None or _STEP in accelerator.__dict__:  # an inner layer, or a nested call
+    if accelerator is None or _STEP in accelerator.__dict__:  # a nested call
         return wrapped(*args, **kwargs)
-    num_items = kwargs.get("num_items_in_batch", args[2] if len(args) > 2 else None)
-    accelerator.__dict__[_STEP] = TrainerStep(trainer, num_items)
+    num_items = _num_items_arg(args, kwargs)
+    watching = num_items is not None and trainer not in _verdicts
+    if watching:
+        args, kwargs = _with_num_items(args, kwargs, num_items_watch.watched(
+            num_items_watch.as_tensor_like_release(num_items)))
+    accelerator.__dict__[_STEP] = TrainerStep(trainer, num_items, watching)
     try:
         return wrapped(*args, **kwargs)
     finally:
         accelerator.__dict__.pop(_STEP, None)
 
 
+def compute_loss(wrapped, trainer, args, kwargs):
+    step = getattr(trainer, "accelerator", None) and trainer.accelerator.__dict__.get(_STEP)
+    if step is not None and step.trainer is trainer:
+        step.base_ran = True
+    return wrapped(*args, **kwargs)
+
+
 def get_batch_samples(wrapped, trainer, args, kwargs):
     result = wrapped(*args, **kwargs)
     try:
-        trainer.__dict__[_WINDOW] = len(result[0])
+        _windows[trainer] = len(result[0])
     except (TypeError, IndexError):
         pass
     return result
 
 
+def _trainer_guess(model) -> bool:
+    """What the release's Trainer.__init__ guesses for ``model_accepts_loss_kwargs`` (PEFT-unwrapped): the
+    model's ``accepts_loss_kwargs`` from 4.48, else whether the forward takes ``**kwargs`` (4.46-4.47: a
+    ``**loss_kwargs`` parameter by that name)."""
+    if callable(getattr(model, "get_base_model", None)):  # a PeftModel
+        model = model.get_base_model()
+    if release() >= (4, 48) and hasattr(model, "accepts_loss_kwargs"):
+        return bool(model.accepts_loss_kwargs)
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    if release() < (4, 48):
+        return "loss_kwargs" in params and params["loss_kwargs"].kind == inspect.Parameter.VAR_KEYWORD
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def stated(trainer) -> bool:
+    """Whether someone said, rather than the Trainer guessed, whether the loss is per window."""
+    if getattr(trainer, "loss_is_scaled_for_ga", None) is not None:
+        return True
+    loss_func = getattr(trainer, "compute_loss_func", None)
+    if loss_func is not None and not callable(loss_func):  # TRL's marker for loss_is_scaled_for_ga before 5.19
+        return True
+    try:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+    except Exception:  # noqa: BLE001 - an exotic wrapper: take the model as it is
+        model = trainer.model
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if loss_func is None and hasattr(type(base), "accepts_loss_kwargs"):  # the model's author said
+        return True
+    return bool(getattr(trainer, "model_accepts_loss_kwargs", False)) != _trainer_guess(model)
+
+
+def _stated_once(trainer) -> bool:
+    if trainer not in _stated:  # inspect.signature costs microseconds: once per trainer, not per step
+        _stated[trainer] = stated(trainer)
+    return _stated[trainer]
+
+
 def describe(accelerator, step: TrainerStep, kwargs) -> scaling.Call:
     trainer = step.trainer
-    accepts = bool(getattr(trainer, "model_accepts_loss_kwargs", False))
-    own_loss = getattr(trainer, "compute_loss_func", None) is not None
     gas = int(trainer.args.gradient_accumulation_steps)
-    leaves_undivided = release_leaves_nokw_undivided()
-    nokw = not accepts and not own_loss
-    return scaling.Call(
-        deepspeed=accelerator.distributed_type == DistributedType.DEEPSPEED,
-        token_normalised=step.num_items_in_batch is not None and (accepts or own_loss),
-        # 4.48's condition (#35207); later releases do not need the DeepSpeed entry, which is its only reader
-        trainer_divides=nokw and not leaves_undivided,
-        nokw_undivided=nokw and leaves_undivided,
-        window=int(trainer.__dict__.get(_WINDOW) or gas),
-        gas=gas,
-        accelerate_divides=accelerator.gradient_accumulation_steps != 1,
-        scale_wrt_gas=bool(kwargs.get("scale_wrt_gas", True)),
-    )
+    facts = scaling.TrainerFacts(
+        accepts_loss_kwargs=bool(getattr(trainer, "model_accepts_loss_kwargs", False)),
+        compute_loss_func=getattr(trainer, "compute_loss_func", None) is not None,
+        num_items=step.num_items is not None,
+        average_tokens=bool(getattr(trainer.args, "average_tokens_across_devices", False)),
+        loss_is_scaled_for_ga=getattr(trainer, "loss_is_scaled_for_ga", None),
+        processes=int(accelerator.num_processes), gas=gas, window=int(_windows.get(trainer) or gas))
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    return scaling.call_of(
+        release(), facts, reads_num_items=_verdicts.get(trainer), stated=_stated_once(trainer), base_ran=step.base_ran,
+        deepspeed=deepspeed, scale_wrt_gas=bool(kwargs.get("scale_wrt_gas", True)),
+        accelerate_steps=int(accelerator.gradient_accumulation_steps))
 
 
-def corrections() -> scaling.Corrections:
-    return scaling.Corrections(applied.is_applied(NOKW), applied.is_applied(DEEPSPEED),
-                               applied.is_applied(ACCELERATE))
+def _record_verdict(step: TrainerStep) -> None:
+    if step.watching and step.trainer not in _verdicts:
+        reads = num_items_watch.reads()
+        _verdicts[step.trainer] = reads > 0
+        if not reads:
+            _log.info("zerofix: %s's loss does not read num_items_in_batch: scaled as a micro-batch mean",
+                      type(step.trainer).__name__)
 
 
 def backward(wrapped, accelerator, args, kwargs):
     step = accelerator.__dict__.get(_STEP) if accelerator is not None else None
-    if step is None or step.handled:  # not the Trainer's backward, or an outer layer took care of it
+    if step is None or step.handled:  # not the Trainer's backward, or a second one in the same step
         return wrapped(*args, **kwargs)
     step.handled = True
-    plan = scaling.plan(describe(accelerator, step, kwargs), corrections())
-    if plan.divide_by != 1:
-        if args:
-            args = (args[0] / plan.divide_by, *args[1:])
-        else:
-            kwargs = {**kwargs, "loss": kwargs["loss"] / plan.divide_by}
-    if plan.scale_wrt_gas is not None:
-        kwargs = {**kwargs, "scale_wrt_gas": plan.scale_wrt_gas}
-    if not plan.accelerate_divisor_one:
+    _record_verdict(step)
+    plan = scaling.plan(describe(accelerator, step, kwargs))
+    if not plan.changes:
         return wrapped(*args, **kwargs)
+    loss = args[0] if args else kwargs["loss"]
+    if plan.multiply_by != 1:
+        loss = loss * plan.multiply_by
+    if plan.divide_by != 1:
+        loss = loss / plan.divide_by
+    args, kwargs = ((loss, *args[1:]), kwargs) if args else ((), {**kwargs, "loss": loss})
+    if not plan.no_downstream_division:
+        return wrapped(*args, **kwargs)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return wrapped(*args, **{**kwargs, "scale_wrt_gas": False})  # upstream #35808
     steps = accelerator.gradient_accumulation_steps
-    accelerator.gradient_accumulation_steps = 1  # the Trainer divided already (upstream #45349)
+    accelerator.gradient_accumulation_steps = 1  # upstream #45349
     try:
         return wrapped(*args, **kwargs)
     finally:

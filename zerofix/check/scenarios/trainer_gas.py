@@ -18,7 +18,10 @@ from pathlib import Path
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="causal-lm", help="causal-lm, custom, or hf:<shrunk config file>")
+    p.add_argument("--model", default="causal-lm", help="a kind of zerofix.check.models, or hf:<shrunk config file>")
+    p.add_argument("--loss", default="model", choices=("model", "subclass-mean", "func-mean"),
+                   help="who computes the loss: the model, a Trainer subclass's compute_loss returning the micro-batch "
+                   "mean, or a compute_loss_func returning it (both ignore num_items_in_batch)")
     p.add_argument("--gas", type=int, default=8)
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--bs", type=int, default=2)
@@ -48,6 +51,7 @@ def cell_args(args, cell: dict):
     """The scenario's arguments for one cell of ``--cells``."""
     cell_args = argparse.Namespace(**vars(args))
     cell_args.model, cell_args.gas = cell["model"], cell["gas"]
+    cell_args.loss = cell.get("loss", "model")
     cell_args.samples = cell.get("samples", 0)
     cell_args.epochs = cell.get("epochs", 1)
     cell_args.no_average_tokens = not cell.get("average_tokens", True)
@@ -119,7 +123,7 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
     if rank == 0 and not (out / "init.pt").exists():
         torch.save(model.state_dict(), out / "init.pt")
     size = args.samples or args.steps * args.gas * args.bs * world
-    dataset = models.IndexedDataset(size, args.seed)
+    dataset = models.IndexedDataset(size, args.seed, models.task_of(args.model))
     windows: dict[int, list[list[int]]] = {}
 
     class RecordingTrainer(Trainer):
@@ -129,7 +133,14 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         def compute_loss(self, model, inputs, *a, **k):
             idx = inputs.pop("sample_idx")
             windows.setdefault(self.state.global_step, []).append([int(i) for i in idx])
+            if args.loss == "subclass-mean":  # a user's own loss: the micro-batch's token mean, no super()
+                labels = inputs.pop("labels")
+                return models.next_token_ce(model(**inputs).logits, labels, "mean")
             return super().compute_loss(model, inputs, *a, **k)
+
+    def mean_loss_func(outputs, labels, num_items_in_batch=None):
+        """A compute_loss_func that ignores num_items_in_batch: the micro-batch's token mean."""
+        return models.next_token_ce(outputs.logits, labels, "mean")
 
     training_args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="zerofix-trainer-"), per_device_train_batch_size=args.bs,
@@ -150,19 +161,27 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         """The weights after every optimizer step, so each window is compared from where the run stood
         (over several windows, float32 rounding would otherwise compound into the comparison)."""
 
+        def on_train_begin(self, train_args, state, control, **kwargs):
+            # This variant's own start: a model built after a ZeRO-3 Trainer is built partitioned, and its
+            # initialisation need not equal the first build's (Llama's classifier differs on 5.23).
+            weights = final_weights(model, args.zero_stage)
+            if rank == 0:
+                torch.save(weights, vdir / "init.pt")
+
         def on_step_end(self, train_args, state, control, **kwargs):
             weights = final_weights(model, args.zero_stage)  # collective under ZeRO-3: every rank
             if rank == 0:
                 torch.save(weights, vdir / f"step{state.global_step}.pt")
 
+    extra = {"compute_loss_func": mean_loss_func} if args.loss == "func-mean" else {}
     trainer = RecordingTrainer(model=model, args=training_args, train_dataset=dataset,
-                               data_collator=models.stack, callbacks=[Snapshots()])
+                               data_collator=models.stack, callbacks=[Snapshots()], **extra)
     trainer.train()
     weights = final_weights(model, args.zero_stage)
     if rank == 0:
         torch.save(weights, vdir / "final.pt")
     record = {
-        "rank": rank, "world": world, "variant": variant, "model": args.model, "gas": args.gas,
+        "rank": rank, "world": world, "variant": variant, "model": args.model, "loss": args.loss, "gas": args.gas,
         "average_tokens": not args.no_average_tokens, "cell_dir": out.name,
         "windows": [windows[s] for s in sorted(windows)],
         "status": [r.to_dict() for r in zerofix.status()],
