@@ -193,6 +193,9 @@ NO_DISTILL_LOOP = "skipped: trl {} has no chunked divergence loop (DistillationT
 EXPECTED = {
     # The default run, every scenario: what the catalogue says each stack does.
     "latest": {**{n: "ok" for n in plan.NAMES},
+               # a classifier: GAS x processes on every path
+               **{f"trainer-{w}-seq-cls": "fixed by transformers-trainer-scaling"
+                  for w in ("1proc", "ddp", "zero2", "zero3")},
                **{f"deepspeed-zero{s}-{o}manual": MANUAL for s in (1, 2) for o in ("", "offload-")},
                "trl-sft-uneven-chunks": "skipped: trl 1.16.0 has no _chunked_cross_entropy_loss (1.4.0 - 1.14.x; "
                "from 1.15.0 chunked_nll is nll)", "trl-distill-uneven-chunks": NO_DISTILL_LOOP.format("1.16.0"),
@@ -201,8 +204,11 @@ EXPECTED = {
         **{n: "ok" for n in plan.NAMES},
         "trl-sft-uneven-chunks": "fixed by trl-chunked-nll-zero3", **NO_REQUESTS,
         "trl-distill-uneven-chunks": NO_DISTILL_LOOP.format("1.5.1"),
-        **{f"trainer-{w}-{m}": "fixed by transformers-accelerate-double-division"
+        **{f"trainer-{w}-{m}": "fixed by transformers-trainer-scaling"
            for w in ("1proc", "ddp") for m in ("causal-lm", "custom")},
+        # a classifier: right on one process (accelerate's second division is the one a mean needs), 2x on two
+        # ranks, 8x through DeepSpeed (GAS x processes)
+        **{f"trainer-{w}-seq-cls": "fixed by transformers-trainer-scaling" for w in ("ddp", "zero2", "zero3")},
         "accelerate-zero2-causal-lm": HOOK, "accelerate-zero2-custom": HOOK,
         **{f"deepspeed-zero{s}-{o}manual": MANUAL for s in (1, 2) for o in ("", "offload-")},
         "deepspeed-zero2-offload-own": "fixed by deepspeed-offload-accumulator",
@@ -252,12 +258,14 @@ SUBSETS = {
         "deepspeed-zero2-manual": "fixed by deepspeed-manual-accumulation + deepspeed-zero12-accumulator",
         "deepspeed-zero2-offload-manual": MANUAL, "deepspeed-zero2-offload-own": "fixed by deepspeed-offload-accumulator"}),
     "2025-01": ("trainer-zero3-*,accelerate-zero2-custom", {
-        "trainer-zero3-causal-lm": "fixed by transformers-deepspeed-double-division",
-        "trainer-zero3-custom": "fixed by transformers-deepspeed-double-division",
+        "trainer-zero3-causal-lm": "fixed by transformers-trainer-scaling",
+        "trainer-zero3-custom": "fixed by transformers-trainer-scaling",
         "accelerate-zero2-custom": "fixed by accelerate-deepspeed-no-sync"}),  # unpatched: a crash
     "2024-11": ("trainer-1proc-*,trainer-zero3-*", {
-        "trainer-1proc-causal-lm": "ok", "trainer-1proc-custom": "fixed by transformers-nokw-undivided",
-        "trainer-zero3-causal-lm": "fixed by transformers-deepspeed-double-division", "trainer-zero3-custom": "ok"}),
+        "trainer-1proc-causal-lm": "ok", "trainer-1proc-custom": "fixed by transformers-trainer-scaling",
+        "trainer-1proc-seq-cls": "fixed by transformers-trainer-scaling",
+        "trainer-zero3-causal-lm": "fixed by transformers-trainer-scaling", "trainer-zero3-custom": "ok",
+        "trainer-zero3-seq-cls": "ok"}),
 }
 
 

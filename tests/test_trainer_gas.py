@@ -1,8 +1,9 @@
 """Activation without code changes (ZEROFIX=1, zerofix run) reaches every rank of a real Trainer job.
 
-The scenario in ``env`` mode never calls zerofix.patch(). On 2026-04 the environment must apply
-transformers-accelerate-double-division (and its absence must show the bug, 0.125 = 1/GAS); on latest
-the entry is not-affected. The scaling itself, stack by stack, is in test_trainer_scaling.py.
+The scenario in ``env`` mode never calls zerofix.patch(). The environment must apply
+transformers-trainer-scaling on both stacks (on 2026-04 its absence shows transformers 5.3's double division of a
+causal LM's loss, 0.125 = 1/GAS; on latest the causal LM is right either way and the entry changes nothing
+there). The scaling itself, stack by stack and head by head, is in test_trainer_scaling.py.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from zerofix.check import parity
 
-FIX = "transformers-accelerate-double-division"
+FIX = "transformers-trainer-scaling"
 EXACT = 1e-6  # relative error of the update, float32 run vs float64 reference
 pytestmark = pytest.mark.distributed
 
@@ -31,7 +32,7 @@ def test_activation_without_code_changes_reaches_every_rank(tmp_path, how, stack
     """The scenario in ``env`` mode never calls zerofix.patch(); only the environment activates."""
     kwargs = {"env": {"ZEROFIX": "1"}} if how == "ZEROFIX=1" else {"launcher_prefix": ZEROFIX_CLI}
     result = parity.trainer_gas(tmp_path, model="causal-lm", nproc=2, zerofix="env", **kwargs)["env"]
-    assert_reference(result, "applied" if stack == "2026-04" else "not-affected")
+    assert_reference(result, "applied")
 
 
 @pytest.mark.stack("2026-04")

@@ -26,6 +26,8 @@ def _applied(status: dict, fixes) -> list[str]:
 
 def model_of(name: str) -> str:
     """The model kind a trainer-* / accelerate-* row trains (its name's suffix)."""
+    if name.endswith("-seq-cls"):
+        return "seq-cls-llama"
     return "causal-lm" if name.endswith("-causal-lm") else "custom"
 
 
@@ -56,8 +58,17 @@ def accelerate(job, rows, nproc, out_dir, timeout, *, cells=None, zero_stage=Non
 
 
 def _variant_rows(result: dict, fixes) -> dict:
-    return {"unpatched": _outcome(result["unpatched"]), "patched": _outcome(result["patched"]),
-            "applied": _applied(result["patched"]["rank_status"][0], fixes)}
+    patched = result["patched"]
+    return {"unpatched": _outcome(result["unpatched"]), "patched": _outcome(patched),
+            "applied": [f for f in _applied(patched["rank_status"][0], fixes) if _acted(patched, f)]}
+
+
+def _acted(result: dict, fix_id: str) -> bool:
+    """False for an entry whose runtime details say it changed nothing in this cell's run (the Trainer's scaling:
+    its last trainer, the cell's, had no backward corrected on any rank); True otherwise."""
+    runs = [r.get(fix_id) for r in result.get("rank_runtime", ())]
+    last = [r[-1] for r in runs if r and isinstance(r[-1], dict) and "corrected" in r[-1]]
+    return not last or any(d["corrected"] for d in last)
 
 
 def ds_cell(name: str) -> accumulation.Cell:

@@ -8,8 +8,8 @@ from typing import NamedTuple
 
 from zerofix.check.accumulation import BF16_BOUND
 
-TRAINER_FIXES = ("transformers-accelerate-double-division", "transformers-nokw-undivided")
-TRAINER_DS_FIXES = ("transformers-deepspeed-double-division", "deepspeed-scale-wrt-gas", "deepspeed-zero12-accumulator")
+TRAINER_FIXES = ("transformers-trainer-scaling",)
+TRAINER_DS_FIXES = ("transformers-trainer-scaling", "deepspeed-scale-wrt-gas", "deepspeed-zero12-accumulator")
 DS_MANUAL_FIXES = ("deepspeed-manual-accumulation", "deepspeed-zero12-accumulator")
 DS_OWN_FIXES = ("deepspeed-zero12-accumulator", "deepspeed-scale-wrt-gas")
 
@@ -54,7 +54,9 @@ JOBS = {job.name: job for job in (
         versions=(("trl", ">=1.0.0", "is older than the GRPO scenario (trl >= 1.0.0)"),)),
 )}
 
-_MODELS = {"causal-lm": "causal LM with loss kwargs", "custom": "custom module without loss kwargs"}
+_LM_MODELS = {"causal-lm": "causal LM with loss kwargs", "custom": "custom module without loss kwargs"}
+# the Trainer's rows also train a head whose forward takes **kwargs but whose loss ignores num_items_in_batch
+_MODELS = {**_LM_MODELS, "seq-cls": "Llama sequence classifier (loss ignores num_items_in_batch)"}
 SCENARIOS: tuple[Scenario, ...] = (
     *(Scenario(f"trainer-1proc-{m}", "trainer-1proc", f"Trainer, GAS=8, 1 process, {d}", TRAINER_FIXES, quick=True)
       for m, d in _MODELS.items()),
@@ -63,10 +65,10 @@ SCENARIOS: tuple[Scenario, ...] = (
     *(Scenario(f"trainer-zero{s}-{m}", f"trainer-zero{s}", f"Trainer, GAS=8, DeepSpeed ZeRO-{s}, {d}", TRAINER_DS_FIXES)
       for s in (2, 3) for m, d in _MODELS.items()),
     *(Scenario(f"accelerate-ddp-{m}", "accelerate-ddp", f"Accelerate accumulate(), GAS=4, DDP, {d}")
-      for m, d in _MODELS.items()),
+      for m, d in _LM_MODELS.items()),
     *(Scenario(f"accelerate-zero2-{m}", "accelerate-zero2", f"Accelerate accumulate(), GAS=4, DeepSpeed ZeRO-2, {d}",
                ("deepspeed-zero12-accumulator", "deepspeed-output-hook-division", "accelerate-deepspeed-no-sync"))
-      for m, d in _MODELS.items()),
+      for m, d in _LM_MODELS.items()),
     *(Scenario(f"deepspeed-zero{s}-manual", "deepspeed", f"raw DeepSpeed ZeRO-{s}, config GAS=1, 4 x backward then "
                "step()", DS_MANUAL_FIXES, quick=s == 2) for s in (1, 2, 3)),
     *(Scenario(f"deepspeed-zero{s}-own", "deepspeed", f"raw DeepSpeed ZeRO-{s}, config GAS=4, backward + step() "

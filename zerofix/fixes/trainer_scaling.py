@@ -59,6 +59,8 @@ _log = logging.getLogger("zerofix")
 _verdicts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> loss reads num_items (bool)
 _windows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> micro-batches of its window
 _stated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> stated(trainer), read once
+_seen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> its runtime_details() dict
+_details: list[dict] = []  # one per trainer, in order (plain dicts: no reference to a user's object)
 
 
 class TrainerStep:
@@ -210,13 +212,28 @@ def describe(accelerator, step: TrainerStep, kwargs) -> scaling.Call:
         accelerate_steps=int(accelerator.gradient_accumulation_steps))
 
 
-def _record_verdict(step: TrainerStep) -> None:
-    if step.watching and step.trainer not in _verdicts:
+def _record_verdict(step: TrainerStep) -> dict:
+    trainer = step.trainer
+    if trainer not in _seen:
+        _seen[trainer] = {"trainer": type(trainer).__name__, "loss": "not measured", "stated": _stated_once(trainer),
+                          "backwards": 0, "corrected": 0}
+        _details.append(_seen[trainer])
+    details = _seen[trainer]
+    if step.watching and trainer not in _verdicts:
         reads = num_items_watch.reads()
-        _verdicts[step.trainer] = reads > 0
-        if not reads:
+        _verdicts[trainer] = reads > 0
+        details["loss"] = "reads num_items_in_batch" if reads else "ignores num_items_in_batch"
+        if not reads and not details["stated"]:
             _log.info("zerofix: %s's loss does not read num_items_in_batch: scaled as a micro-batch mean",
-                      type(step.trainer).__name__)
+                      type(trainer).__name__)
+    details["backwards"] += 1
+    return details
+
+
+def runtime_details() -> list[dict]:
+    """Per trainer seen: whether its loss read num_items_in_batch, whether that was stated, and how many of its
+    backwards zerofix changed (0: every one went through as upstream's)."""
+    return [dict(d) for d in _details]
 
 
 def backward(wrapped, accelerator, args, kwargs):
@@ -224,10 +241,11 @@ def backward(wrapped, accelerator, args, kwargs):
     if step is None or step.handled:  # not the Trainer's backward, or a second one in the same step
         return wrapped(*args, **kwargs)
     step.handled = True
-    _record_verdict(step)
+    details = _record_verdict(step)
     plan = scaling.plan(describe(accelerator, step, kwargs))
     if not plan.changes:
         return wrapped(*args, **kwargs)
+    details["corrected"] += 1
     loss = args[0] if args else kwargs["loss"]
     if plan.multiply_by != 1:
         loss = loss * plan.multiply_by

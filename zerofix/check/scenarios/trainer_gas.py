@@ -101,8 +101,13 @@ def final_weights(model, zero_stage) -> dict:
     if zero_stage == 3:
         from deepspeed.utils import safe_get_full_fp32_param
 
+        import deepspeed
+
         for name, param in model.named_parameters():
             full = safe_get_full_fp32_param(param)
+            if full is None and not param.requires_grad:  # frozen (PEFT's base): no optimizer copy, gather it
+                with deepspeed.zero.GatheredParameters([param]):
+                    full = param.detach().clone()
             if full is None:
                 raise RuntimeError(f"no fp32 copy of {name}: requires_grad={param.requires_grad} "
                                    f"ds_id={hasattr(param, 'ds_id')} z3={hasattr(param, '_z3_optimizer')}")
