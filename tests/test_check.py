@@ -297,6 +297,7 @@ def test_quick_runs_one_process_and_its_small_set(tmp_path):
     assert code == 0, stdout
     assert document["nproc"] == 1
     assert verdicts(document) == {"trainer-1proc-causal-lm": "ok", "trainer-1proc-custom": "ok",
+                                  "trainer-1proc-seq-cls": "fixed by transformers-trainer-scaling",
                                   "deepspeed-zero2-manual": MANUAL, "deepspeed-zero2-own": "ok"}
 
 
