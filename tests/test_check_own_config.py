@@ -172,9 +172,38 @@ def test_model_builds_a_tiny_model_of_the_same_class(tmp_path, config, cls, tied
                                               models.build_model(kind, seed=0).state_dict().values()))
 
 
+BERT_CLS = {"architectures": ["BertForSequenceClassification"], "model_type": "bert", "hidden_size": 768,
+            "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072, "vocab_size": 30522,
+            "id2label": {"0": "NEG", "1": "POS"}, "label2id": {"NEG": 0, "POS": 1}, "hidden_dropout_prob": 0.1}
+QWEN2_REWARD = {**QWEN2, "architectures": ["Qwen2ForSequenceClassification"], "num_labels": 1}
+
+
+@pytest.mark.parametrize("config, cls", [(BERT_CLS, "BertForSequenceClassification"),
+                                         (QWEN2_REWARD, "Qwen2ForSequenceClassification")])
+def test_model_builds_a_tiny_sequence_classifier(tmp_path, config, cls):
+    """A sequence classifier (a reward model's num_labels=1 included) is built with the check's 3 classes: the
+    scaling depends on whether its loss reads num_items_in_batch, not on the loss's form."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from zerofix.check import models, usermodel
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    kind, described = usermodel.prepare(tmp_path / "config.json", tmp_path / "work")
+    assert (described["class"], described["task"]) == (cls, "sequence") and models.task_of(kind) == "sequence"
+    model = models.build_model(kind, seed=0)
+    assert type(model).__name__ == cls and model.config.num_labels == models.NUM_LABELS
+    batch = models.collate([0, 1, 2, 3], task="sequence")
+    loss_sum, count = models.loss_sum(kind, model, batch)
+    assert count == 4 and torch.isfinite(loss_sum)
+    assert plan.user_scenarios(userconfig.load(write(tmp_path, "ds.json", ZERO2), gas=None, nproc=2),
+                               model_name=cls, task="sequence")[0].name == "trainer-seq-cls"
+
+
 @pytest.mark.parametrize("config, message", [
     ({"model_type": "no-such-model"}, "model_type 'no-such-model' is unknown to transformers"),
-    ({"architectures": ["BertForMaskedLM"], "model_type": "bert"}, "BertForMaskedLM is not a causal language model"),
+    ({"architectures": ["BertForMaskedLM"], "model_type": "bert"},
+     "BertForMaskedLM is neither a causal language model nor a sequence classifier"),
     ({"hidden_size": 8}, "no model_type"),
 ])
 def test_a_config_whose_class_cannot_be_built_is_a_clear_error(tmp_path, config, message):
@@ -385,3 +414,17 @@ def test_a_compiler_failure_shows_deepspeeds_real_exception(tmp_path, monkeypatc
     assert "RuntimeError: Error building extension 'deepspeed_shm_comm'" in row["tail"]
     assert "/nonexistent/c++: not found" in row["tail"]
     assert f"full log: {tmp_path / 'work'}" in row["tail"] and os.path.exists(tmp_path / "work" / "deepspeed" / "launcher.log")
+
+
+@pytest.mark.distributed
+@pytest.mark.stack("latest")
+def test_own_configuration_with_a_classifier_on_latest(tmp_path):
+    """ZeRO-2 (AdamW, clipping 1.0: the configuration above) with the user's BERT classifier: transformers 5.23
+    scales its loss GAS x processes too large; patched, transformers-trainer-scaling makes it the mean over the
+    window's samples (the update's ratio is not 8 here: AdamW and clipping are not linear in the loss)."""
+    (tmp_path / "config.json").write_text(json.dumps(BERT_CLS))
+    document = check_json(tmp_path, "--deepspeed", write(tmp_path, "ds.json", ZERO2), "--model",
+                          str(tmp_path / "config.json"), "--only", "trainer-seq-cls")
+    assert verdicts(document) == {"trainer-seq-cls": "fixed by transformers-trainer-scaling"}
+    row = document["scenarios"][0]
+    assert row["unpatched"]["rel_err"] > 0.3 and row["patched"]["rel_err"] < 1e-4, row

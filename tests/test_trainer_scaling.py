@@ -34,11 +34,13 @@ NEWEST_STACKS = ("latest", "2026-04")
 ENTRY = "transformers-trainer-scaling"  # in range on every stack (transformers >= 4.46)
 pytestmark = pytest.mark.distributed
 HEADS = ("seq-cls-llama", "seq-cls-bert", "causal-lm/subclass-mean", "causal-lm/func-mean")
+# PEFT runs on latest only (peft 0.21.2 there): on 2026-04 (deepspeed 0.18.9) a LoRA-wrapped model under ZeRO-3
+# failed in DeepSpeed's own backward hook ('Linear' object has no attribute 'ds_grads_remaining'), unpatched alike
 PEFT = importlib.util.find_spec("peft") is not None
 
 
-def head_cells() -> list[dict]:
-    heads = HEADS + (("peft-seq-cls-llama",) if PEFT else ())
+def head_cells(stack: str = "latest") -> list[dict]:
+    heads = HEADS + (("peft-seq-cls-llama",) if PEFT and stack == "latest" else ())
     return [{"name": h.replace("/", "-"), "model": h.partition("/")[0], "loss": h.partition("/")[2] or "model",
              "gas": 4, "samples": 0, "lr": 2.0, "head": True} for h in heads]
 
@@ -69,6 +71,12 @@ HEAD_FACTORS = {
 }
 
 
+# DeepSpeed 0.18.x ZeRO-3 on CPU: a model trained by the third engine of a process ends a few float32 roundings away
+# from the same model trained by the first, with every zerofix entry excluded too (measured on 2025-10, BERT after
+# Llama: 7.2e-07 both, not bitwise); bitwise is asserted on every other path.
+ZERO3_ORDER_SENSITIVE = {"2025-10", "2025-12", "2026-04"}
+
+
 def head_factor(stack: str, stage, nproc: int, cell: dict):
     """The measured unpatched factor of a head cell; "last" where deepspeed 0.18.0's ZeRO-2 accumulator keeps
     each rank's last micro-batch (deepspeed-zero12-accumulator, asserted exactly in test_deepspeed_backports)."""
@@ -81,8 +89,8 @@ def head_factor(stack: str, stage, nproc: int, cell: dict):
     return factors[W1 if nproc == 1 else W2]
 
 
-def cells(nproc: int) -> list[dict]:
-    out = head_cells()
+def cells(nproc: int, stack: str = "latest") -> list[dict]:
+    out = head_cells(stack)
     for model in ("causal-lm", "custom"):
         # lr: large, so an update dominates the float32 rounding of weights near 1.0 (norms); 2.0 over three
         # windows, where 5.0 makes the causal LM's third update 35x its first (and rounding 1.6e-6).
@@ -126,8 +134,8 @@ def test_trainer_divides_exactly_once(tmp_path, stack, stage, nproc):
     if stage is not None and nproc == 1 and stack not in NEWEST_STACKS:
         pytest.skip("CI time: DeepSpeed with 1 rank runs on the newest stacks; the older ones show their bugs "
                     "with 2 ranks (docs/development.md, 'What runs where')")
-    results = parity.trainer_cells(tmp_path, cells(nproc), nproc=nproc, zero_stage=stage)
-    for cell in cells(nproc):
+    results = parity.trainer_cells(tmp_path, cells(nproc, stack), nproc=nproc, zero_stage=stage)
+    for cell in cells(nproc, stack):
         bug, fixed = results[cell["name"]]["unpatched"], results[cell["name"]]["patched"]
         where = f"{cell['name']} zero={stage} ranks={nproc}"
         # The windows the Trainer trains: 4.46-4.48 drop an epoch's short last window (max_steps is
@@ -150,7 +158,8 @@ def test_trainer_divides_exactly_once(tmp_path, stack, stage, nproc):
                 assert bug["rel_err"] < EXACT, (where, bug)
                 # do no harm: where upstream is right the patched run ends with bitwise its weights (None: the
                 # two started apart, a second model built under ZeRO-3)
-                assert fixed["bitwise_as_unpatched"] in (True, None), (where, fixed["rel_err"])
+                if not (stage == 3 and stack in ZERO3_ORDER_SENSITIVE):
+                    assert fixed["bitwise_as_unpatched"] in (True, None), (where, fixed["rel_err"])
         assert fixed["rel_err"] < EXACT, (where, fixed)
         assert all(s[ENTRY] == "applied" for s in fixed["rank_status"]), (where, fixed["rank_status"])
 

@@ -163,8 +163,9 @@ def _user_setup(args, nproc: int, workdir: Path) -> dict:
 
         average_tokens = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}.get(
             "average_tokens_across_devices", False)
-    rows = plan.user_scenarios(cfg, model_name=described and described["class"], tied=tied)
-    return {"config": cfg, "model": model, "tied": tied, "described": described,
+    task = described["task"] if described else "token"
+    rows = plan.user_scenarios(cfg, model_name=described and described["class"], tied=tied, task=task)
+    return {"config": cfg, "model": model, "tied": tied, "described": described, "task": task,
             "average_tokens": bool(average_tokens), "rows": rows}
 
 

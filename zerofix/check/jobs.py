@@ -328,7 +328,14 @@ def trl_outcome(records: list[dict], ref: list[dict]) -> dict:
 
 
 def _user_model(row_name: str, user: dict) -> str:
-    return user["model"] if row_name.endswith("-causal-lm") else "custom"
+    """The model a row of a user's configuration trains: --model's (a causal LM's in every -causal-lm row, a
+    sequence classifier's in the Trainer's -seq-cls row), a tiny Llama, or the custom module."""
+    sequence = user.get("task") == "sequence"
+    if row_name.endswith("-seq-cls"):
+        return user["model"]
+    if row_name.endswith("-causal-lm"):
+        return "causal-lm" if sequence else user["model"]
+    return "custom"
 
 
 def your_trainer(job, rows, nproc, out_dir, timeout, user):

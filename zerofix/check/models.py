@@ -24,7 +24,13 @@ SEQUENCE_KINDS = ("seq-cls-llama", "seq-cls-bert", "peft-seq-cls-llama")
 
 
 def task_of(kind: str) -> str:
-    """"sequence" (one label per sample, the loss a mean over samples) or "token" (next-token labels)."""
+    """"sequence" (one label per sample, the loss a mean over samples) or "token" (next-token labels); a
+    ``hf:<file>`` kind says which in its shrunk config (zerofix.check.usermodel)."""
+    if kind.startswith("hf:"):
+        import json
+        from pathlib import Path
+
+        return json.loads(Path(kind[3:]).read_text()).get("_zerofix_task", "token")
     return "sequence" if kind in SEQUENCE_KINDS else "token"
 
 

@@ -112,15 +112,20 @@ def job(name: str) -> Job:
     return JOBS.get(name) or USER_JOBS[name]
 
 
-def user_scenarios(cfg, *, model_name: str | None = None, tied: bool = False) -> list[Scenario]:
+def user_scenarios(cfg, *, model_name: str | None = None, tied: bool = False, task: str = "token") -> list[Scenario]:
     """The rows for a user's configuration ``cfg`` (a zerofix.check.userconfig.UserConfig). ``model_name``:
     the class of ``--model``'s tiny model (the Trainer and accelerate rows train it; without it, a tiny Llama
-    and, for the Trainer, a custom module without loss kwargs); ``tied``: whether its head is tied."""
+    and, for the Trainer, a custom module without loss kwargs); ``tied``: whether its head is tied; ``task``:
+    "sequence" for a sequence classifier (the Trainer's row trains it, the accelerate row a tiny Llama)."""
     tolerance = BF16_TOLERANCE if cfg.dtype == "bf16" else None
-    lm = model_name or "tiny Llama"
+    lm = model_name if model_name and task == "token" else "tiny Llama"
     offload = ("deepspeed-offload-accumulator",) if cfg.offload == "cpu" else ()
-    rows = [Scenario("trainer-causal-lm", "your-trainer", f"Trainer, your config, {lm}", TRAINER_DS_FIXES + offload,
-                     tolerance=tolerance)]
+    if task == "sequence":
+        rows = [Scenario("trainer-seq-cls", "your-trainer", f"Trainer, your config, {model_name}",
+                         TRAINER_DS_FIXES + offload, tolerance=tolerance)]
+    else:
+        rows = [Scenario("trainer-causal-lm", "your-trainer", f"Trainer, your config, {lm}", TRAINER_DS_FIXES + offload,
+                         tolerance=tolerance)]
     if model_name is None:
         rows.append(Scenario("trainer-custom", "your-trainer", "Trainer, your config, custom module without loss kwargs",
                              TRAINER_DS_FIXES + offload, tolerance=tolerance))

@@ -1,7 +1,8 @@
 """``zerofix check --model PATH``: a tiny, randomly initialised model of the *same architecture class* as the
-user's (same ``model_type``, same causal-LM class, same tied or untied head, so the same loss signature), built
-from a local Hugging Face config or model directory with every size shrunk. Nothing is downloaded and no
-weight is read: only ``config.json``.
+user's (same ``model_type``, same class, same tied or untied head, so the same loss), built from a local Hugging
+Face config or model directory with every size shrunk. Nothing is downloaded and no weight is read: only
+``config.json``. The class is a causal LM (next-token labels) or a sequence classifier (one class per sample,
+``num_labels`` set to the check's): the heads whose samples the check makes.
 
 The shrunk config is written to a JSON file; the check's scenarios and its reference build the model from it
 (``zerofix.check.models.build_model("hf:<file>")``).
@@ -29,7 +30,8 @@ SHRINK = {
     ("num_experts_per_tok",): 2,
 }
 SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-DROPPED = ("quantization_config", "torch_dtype", "dtype", "_name_or_path", "auto_map", "transformers_version")
+DROPPED = ("quantization_config", "torch_dtype", "dtype", "_name_or_path", "auto_map", "transformers_version",
+           "id2label", "label2id")
 
 
 def config_file(path) -> Path:
@@ -72,15 +74,35 @@ def shrink(path) -> dict:
             shrunk[name] = 0.0
     shrunk["attn_implementation"] = "eager"
     shrunk["_zerofix_source"] = str(source)
+    if task_of_class(architecture(shrunk)) == "sequence":
+        from zerofix.check.models import NUM_LABELS
+
+        shrunk.update(num_labels=NUM_LABELS, problem_type="single_label_classification")
+        shrunk["_zerofix_task"] = "sequence"
     return shrunk
 
 
+def _class_names(mapping) -> set[str]:
+    names = set()
+    for value in mapping.values():
+        names.update([value] if isinstance(value, str) else value)
+    return names
+
+
+def task_of_class(cls) -> str:
+    """"token" for a causal LM, "sequence" for a sequence classifier (what the check's samples are for)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    return "sequence" if cls.__name__ in _class_names(MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES) else "token"
+
+
 def architecture(config: dict):
-    """The causal-LM class the config names (``architectures``), or transformers' causal-LM class for its
-    ``model_type`` when it names none. Raises ConfigError when the class is not a causal LM transformers has."""
+    """The class the config names (``architectures``): a causal LM or a sequence classifier transformers has;
+    transformers' causal-LM class for its ``model_type`` when it names none. Raises ConfigError otherwise."""
     import transformers
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
 
     model_type = config["model_type"]
     try:
@@ -88,19 +110,17 @@ def architecture(config: dict):
     except (ValueError, KeyError):
         raise ConfigError(f"--model: model_type {model_type!r} is unknown to transformers {transformers.__version__}; "
                           "install a transformers release that has it") from None
-    causal = set()
-    for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        causal.update([names] if isinstance(names, str) else names)
+    trainable = _class_names(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | _class_names(MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
     named = list(config.get("architectures") or ())
     if not named:
         default = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
         named = [default] if isinstance(default, str) else list(default or ())
     for name in named:
-        if name in causal and getattr(transformers, name, None) is not None:
+        if name in trainable and getattr(transformers, name, None) is not None:
             return getattr(transformers, name)
-    raise ConfigError(f"--model: {', '.join(named) or model_type} is not a causal language model transformers "
-                      f"{transformers.__version__} can build (AutoModelForCausalLM has no such class); zerofix check "
-                      "trains causal LMs")
+    raise ConfigError(f"--model: {', '.join(named) or model_type} is neither a causal language model nor a sequence "
+                      f"classifier transformers {transformers.__version__} can build; zerofix check trains those two "
+                      "(next-token labels, one class per sample): give the config of one of them")
 
 
 def build(config: dict, seed: int = 0):
@@ -124,7 +144,11 @@ def build(config: dict, seed: int = 0):
     for name, value in hf_config.to_dict().items():  # the class's defaults too (GPT-2: resid_pdrop=0.1)
         if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
             setattr(hf_config, name, 0.0)
-    return cls(hf_config).float()
+    model = cls(hf_config).float()
+    if task_of_class(cls) == "sequence" and getattr(model.config, "pad_token_id", None) is None:
+        # set after construction, as models.build_model does: the classifier pools the last token before padding
+        model.config.pad_token_id = SPECIAL_TOKENS["pad_token_id"]
+    return model
 
 
 def prepare(path, out_dir: Path) -> tuple[str, dict]:
@@ -143,5 +167,6 @@ def prepare(path, out_dir: Path) -> tuple[str, dict]:
     file.write_text(json.dumps(config, indent=1))
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     described = {"class": type(model).__name__, "model_type": config["model_type"], "tied_head": tied,
+                 "task": config.get("_zerofix_task", "token"),
                  "parameters": sum(p.numel() for p in model.parameters()), "source": config["_zerofix_source"]}
     return f"hf:{file}", described
