@@ -60,6 +60,7 @@ _verdicts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer 
 _windows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> micro-batches of its window
 _stated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> stated(trainer), read once
 _seen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> its runtime_details() dict
+_plans: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> {facts: scaling.Plan}
 _details: list[dict] = []  # one per trainer, in order (plain dicts: no reference to a user's object)
 
 
@@ -212,6 +213,20 @@ def describe(accelerator, step: TrainerStep, kwargs) -> scaling.Call:
         accelerate_steps=int(accelerator.gradient_accumulation_steps))
 
 
+def _plan(accelerator, step: TrainerStep, kwargs) -> scaling.Plan:
+    """``scaling.plan(describe(...))``, computed once per distinct set of facts of a trainer: the facts change
+    at a short window and when a verdict arrives, not from step to step (a step then costs a few attribute reads)."""
+    trainer = step.trainer
+    key = (getattr(trainer, "model_accepts_loss_kwargs", None), getattr(trainer, "compute_loss_func", None) is None,
+           getattr(trainer, "loss_is_scaled_for_ga", None), step.num_items is None, step.base_ran,
+           _windows.get(trainer), _verdicts.get(trainer), kwargs.get("scale_wrt_gas", True),
+           accelerator.gradient_accumulation_steps, trainer.args.gradient_accumulation_steps)
+    plans = _plans.setdefault(trainer, {})
+    if key not in plans:
+        plans[key] = scaling.plan(describe(accelerator, step, kwargs))
+    return plans[key]
+
+
 def _record_verdict(step: TrainerStep) -> dict:
     trainer = step.trainer
     if trainer not in _seen:
@@ -242,7 +257,7 @@ def backward(wrapped, accelerator, args, kwargs):
         return wrapped(*args, **kwargs)
     step.handled = True
     details = _record_verdict(step)
-    plan = scaling.plan(describe(accelerator, step, kwargs))
+    plan = _plan(accelerator, step, kwargs)
     if not plan.changes:
         return wrapped(*args, **kwargs)
     details["corrected"] += 1
