@@ -15,6 +15,7 @@ from pathlib import Path
 from zerofix.check.userconfig import HIDDEN, ConfigError
 
 VOCAB = 64  # zerofix.check.models.VOCAB: the samples' token ids are below it
+NUM_LABELS = 3  # zerofix.check.models.NUM_LABELS: the samples' classes (tests/test_check_own_config.py ties the two)
 # Sizes, by every name the architectures in transformers use for them
 SHRINK = {
     ("hidden_size", "n_embd", "d_model"): HIDDEN,
@@ -75,8 +76,6 @@ def shrink(path) -> dict:
     shrunk["attn_implementation"] = "eager"
     shrunk["_zerofix_source"] = str(source)
     if task_of_class(architecture(shrunk)) == "sequence":
-        from zerofix.check.models import NUM_LABELS
-
         shrunk.update(num_labels=NUM_LABELS, problem_type="single_label_classification")
         shrunk["_zerofix_task"] = "sequence"
     return shrunk
