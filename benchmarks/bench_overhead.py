@@ -4,7 +4,7 @@
    ML library is imported), runs interleaved, median of N.
 2. ``import zerofix`` in a fresh interpreter, median of N.
 3. Per call: a raw method vs the same method wrapped through zerofix's patching (pass-through wrapper),
-   and the real ``transformers-accelerate-double-division`` wrapper around a no-op training step with a
+   and the real ``transformers-trainer-scaling`` wrappers around a no-op training step with a
    real ``accelerate.Accelerator(gradient_accumulation_steps=8)`` (when accelerate is installed), and
    accelerate-short-last-window's two wrappers on one micro-batch of a plain loop.
 

@@ -67,3 +67,17 @@ def test_an_int_count_becomes_a_tensor_with_bitwise_the_same_divisions():
             assert as_tensor.dtype == torch.int64 and int(as_tensor) == k
             assert torch.equal(sums / k, sums / as_tensor) and (sums / as_tensor).dtype == dtype
     assert watch.as_tensor_like_release(True) is True and watch.as_tensor_like_release(None) is None
+
+
+def test_a_loss_that_reads_the_count_for_a_metric_counts_as_normalised(batch):
+    """The ambiguity list's direction: reading the count for anything (a logged number) is evidence the loss
+    may use it, so the Trainer's own belief is followed; only a loss that never reads it is demoted to a mean."""
+    logged = {}
+
+    def mean_with_a_metric(logits, labels, num_items_in_batch=None):
+        logged["tokens"] = int(num_items_in_batch)
+        return torch.nn.functional.cross_entropy(logits, labels)
+
+    watched = watch.watched(torch.tensor(37))
+    mean_with_a_metric(*batch, num_items_in_batch=watched)
+    assert watch.reads() > 0 and logged["tokens"] == 37

@@ -119,7 +119,7 @@ def measured_unpatched(stack: str, model: str, stage, gas: int, cell=None, nproc
         return "last"
     if stack == "2025-12" and deepspeed:  # deepspeed 0.18.3: deepspeed-scale-wrt-gas
         return 1 / gas ** 2 if stage == 2 else 1 / gas  # both models return logits next to the loss
-    if stack == "2026-04" and not deepspeed:  # 5.3.0: transformers-accelerate-double-division
+    if stack == "2026-04" and not deepspeed:  # 5.3.0: accelerate divides again (#45349)
         return 1 / gas
     return 1.0
 

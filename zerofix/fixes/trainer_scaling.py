@@ -27,16 +27,26 @@ Trainer's ``loss_is_scaled_for_ga`` (transformers >= 5.19, TRL's trainers on any
 ``model_accepts_loss_kwargs`` set on the trainer against its forward's signature. The measurement only ever
 turns "per window" into "mean", never the reverse: a loss the Trainer divides is left to the Trainer.
 
-Ambiguity list (docs/fixes.md, each with its test in tests/test_trainer_scaling.py):
-- a loss normalised by ``num_items_in_batch`` (every causal LM head, TRL's SFT): read -> the Trainer's
-  belief, bitwise the unpatched path where that path is right;
-- a loss that reads the count for something else (a metric): read -> treated as normalised, as upstream;
-- a ``compute_loss`` that normalises per window by its own count without reading ``num_items_in_batch``
-  and without a statement: indistinguishable from a micro-batch mean, treated as one (upstream documents
-  ``loss_is_scaled_for_ga`` / ``model_accepts_loss_kwargs = False`` for exactly this);
+Ambiguity list (docs/fixes.md), each usage with the test that shows it left alone:
+- a loss normalised by ``num_items_in_batch`` (every causal LM head, TRL 1.16's GKD): it reads the count, so the
+  Trainer's own path runs; bitwise the unpatched weights wherever that path is right (the causal-lm cells of
+  tests/test_trainer_scaling.py, tests/test_trl_trainer_scaling.py);
+- a loss that reads the count for something else (a metric): counts as normalised, as upstream
+  (tests/test_num_items_watch.py);
+- an explicit statement (``loss_is_scaled_for_ga``, TRL's markers, ``accepts_loss_kwargs``, a
+  ``model_accepts_loss_kwargs`` set against the signature): followed, never measured (RewardTrainer in
+  tests/test_trl_trainer_scaling.py, tests/test_scaling.py);
+- a loss the Trainer divides itself (it believes a mean): left to the Trainer even if it read the count
+  (tests/test_scaling.py); a head the release scales right (BERT without ``**kwargs`` on 4.48/4.57, a classifier
+  on one process of 5.3 where accelerate's second division is the one a mean needs): bitwise
+  (tests/test_trainer_scaling.py);
+- a ``compute_loss`` that normalises per window by its own count without reading ``num_items_in_batch`` and
+  without a statement: indistinguishable from a micro-batch mean, treated as one (upstream documents
+  ``loss_is_scaled_for_ga`` / ``model_accepts_loss_kwargs = False`` for exactly this: state it);
 - transformers 4.46-4.48 pass the count as an int, which cannot be watched: for the first step only, the
-  Trainer's count is handed on as a 0-dim int64 tensor (same value, bitwise the same division);
-- a plain ``accelerator.accumulate`` loop is never touched (no Trainer step is open).
+  Trainer's count is handed on as a 0-dim int64 tensor (same value, bitwise the same division;
+  tests/test_num_items_watch.py, and the 2024-11/2025-01 cells);
+- a plain ``accelerator.accumulate`` loop is never touched: no Trainer step is open (tests/test_accelerate_loop.py).
 
 Trainers created before ``patch()`` are covered (the wrappers are on the classes), and ``unpatch()`` leaves
 no state behind: the verdicts live in a weak mapping, not on the user's objects.
