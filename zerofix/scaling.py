@@ -11,9 +11,10 @@ Along Trainer.compute_loss -> Trainer.training_step -> Accelerator.backward (-> 
 
 Which of the two a loss is, the Trainer guesses from the forward's signature (``**kwargs``); zerofix
 measures it (``zerofix.fixes.trainer_scaling``: did computing the loss read ``num_items_in_batch``?) or
-takes it from an explicit statement. What each release does along the path is read off its source
-(``release_rules``), one function per place that multiplies or divides; ``plan`` compares the product with
-what the loss needs and says what to change, and nothing where they agree. This module knows nothing
+takes it from an explicit statement. What each release does along the path is read off its source, one
+function per place that multiplies or divides (``trainer_division``, ``world_multiplier``, and what accelerate
+or the engine divides by afterwards); ``plan`` compares the product with what the loss needs and says what to
+change, and nothing where they agree. This module knows nothing
 about patching and needs no distributed run to test (tests/test_scaling.py).
 """
 from __future__ import annotations
