@@ -114,3 +114,21 @@ def test_the_measurement_never_turns_a_mean_into_a_normalised_loss():
 def test_loss_is_scaled_for_ga_is_read_from_5_19():
     facts = TrainerFacts(True, False, True, True, False, 1, GAS, GAS)
     assert trainer_believes_scaled((5, 18, 0), facts) and not trainer_believes_scaled((5, 19, 0), facts)
+
+
+def test_a_loss_that_got_no_count_is_a_mean_on_every_release():
+    """A batch without ``labels`` (question answering: start/end positions) gets no num_items_in_batch; 4.48 - 4.53
+    still believe a loss-kwargs model's loss normalised and skip the division (tools/head_survey.py: Llama's QA
+    head, 4.48.3, 4x); from 4.54 the Trainer divides such a loss itself, and zerofix does the same before."""
+    facts = TrainerFacts(True, False, False, False, None, 1, GAS, GAS)
+    for version in ((4, 48, 3), (4, 52, 4)):
+        c = call_of(version, facts, reads_num_items=None, stated=False, base_ran=True, deepspeed=False,
+                    scale_wrt_gas=True, accelerate_steps=1)
+        assert c.loss_is_mean and unpatched(c) == GAS and applied_factor(c, plan(c)) == 1
+    c = call_of((5, 23, 0), facts, reads_num_items=None, stated=False, base_ran=True, deepspeed=False,
+                scale_wrt_gas=False, accelerate_steps=1)
+    assert unpatched(c) == 1 and plan(c) == Plan()
+    # stated per window: followed
+    c = call_of((4, 48, 3), facts, reads_num_items=None, stated=True, base_ran=True, deepspeed=False,
+                scale_wrt_gas=True, accelerate_steps=1)
+    assert not c.loss_is_mean and plan(c) == Plan()

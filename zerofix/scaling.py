@@ -85,8 +85,9 @@ def call_of(version: tuple[int, ...], facts: TrainerFacts, *, reads_num_items: b
     Trainer.compute_loss ran; ``accelerate_steps``: what accelerate divides by without DeepSpeed."""
     believed = trainer_believes_scaled(version, facts)
     # The measurement only demotes: a loss the Trainer believes per window that never read the count is a
-    # mean. A loss the Trainer divides is left to the Trainer (it may normalise by its own means).
-    mean = not believed or (facts.num_items and not stated and reads_num_items is False)
+    # mean, and so is one that got no count (a batch without ``labels``: what the Trainer itself concludes from
+    # 4.54 on; 4.46-4.53 skip the division anyway). A loss the Trainer divides is left to the Trainer.
+    mean = not believed or (not stated and (not facts.num_items or reads_num_items is False))
     downstream = (facts.gas if scale_wrt_gas else 1) if deepspeed else accelerate_steps
     return Call(loss_is_mean=mean,
                 world_multiplied=world_multiplier(version, facts) if base_ran else 1,
