@@ -40,6 +40,9 @@ Ambiguity list (docs/fixes.md), each usage with the test that shows it left alon
   (tests/test_scaling.py); a head the release scales right (BERT without ``**kwargs`` on 4.48/4.57, a classifier
   on one process of 5.3 where accelerate's second division is the one a mean needs): bitwise
   (tests/test_trainer_scaling.py);
+- a batch without ``labels`` (question answering): no count, so nothing normalised the loss; 4.48-4.53 skip the
+  division for a loss-kwargs model anyway, zerofix divides as 4.54 does (tests/test_scaling.py; a ``compute_loss``
+  normalising such a batch by its own count must state it, below);
 - a ``compute_loss`` that normalises per window by its own count without reading ``num_items_in_batch`` and
   without a statement: indistinguishable from a micro-batch mean, treated as one (upstream documents
   ``loss_is_scaled_for_ga`` / ``model_accepts_loss_kwargs = False`` for exactly this: state it);
