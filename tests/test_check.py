@@ -252,6 +252,8 @@ SUBSETS = {
     # The older stacks (the full run is ~1.5 min each): the scenarios that show each stack's bugs.
     "2025-12": ("trainer-zero2-*,trainer-zero3-*,accelerate-zero2-custom", {
         **{f"trainer-zero{s}-{m}": "fixed by deepspeed-scale-wrt-gas" for s in (2, 3) for m in ("causal-lm", "custom")},
+        # the classifier: GAS x processes from the Trainer, then DeepSpeed 0.18.3's division (1/GAS^2, 1/GAS)
+        **{f"trainer-zero{s}-seq-cls": "fixed by transformers-trainer-scaling + deepspeed-scale-wrt-gas" for s in (2, 3)},
         "accelerate-zero2-custom": HOOK}),
     "2025-10": ("trainer-zero2-custom,accelerate-zero2-custom,deepspeed-zero2-*", {
         "trainer-zero2-custom": ZERO12, "accelerate-zero2-custom": ZERO12, "deepspeed-zero2-own": ZERO12,
@@ -260,6 +262,7 @@ SUBSETS = {
     "2025-01": ("trainer-zero3-*,accelerate-zero2-custom", {
         "trainer-zero3-causal-lm": "fixed by transformers-trainer-scaling",
         "trainer-zero3-custom": "fixed by transformers-trainer-scaling",
+        "trainer-zero3-seq-cls": "fixed by transformers-trainer-scaling",  # no **kwargs on 4.48: divided twice
         "accelerate-zero2-custom": "fixed by accelerate-deepspeed-no-sync"}),  # unpatched: a crash
     "2024-11": ("trainer-1proc-*,trainer-zero3-*", {
         "trainer-1proc-causal-lm": "ok", "trainer-1proc-custom": "fixed by transformers-trainer-scaling",
