@@ -49,6 +49,9 @@ Ambiguity list (docs/fixes.md), each usage with the test that shows it left alon
 - transformers 4.46-4.48 pass the count as an int, which cannot be watched: for the first step only, the
   Trainer's count is handed on as a 0-dim int64 tensor (same value, bitwise the same division;
   tests/test_num_items_watch.py, and the 2024-11/2025-01 cells);
+- a model under torch.compile (``torch_compile=True``, or a compiled module): not watched, since a watched tensor
+  takes the step out of the compiled graph; the Trainer's belief is followed and a warning says so
+  (tests/test_trainer_scaling_unit.py);
 - a plain ``accelerator.accumulate`` loop is never touched: no Trainer step is open (tests/test_accelerate_loop.py).
 
 Trainers created before ``patch()`` are covered (the wrappers are on the classes), and ``unpatch()`` leaves
@@ -142,7 +145,7 @@ def training_step(wrapped, trainer, args, kwargs):
     if accelerator is None or _STEP in accelerator.__dict__:  # a nested call
         return wrapped(*args, **kwargs)
     num_items = _num_items_arg(args, kwargs)
-    watching = num_items is not None and trainer not in _verdicts
+    watching = num_items is not None and trainer not in _verdicts and not _compiled(trainer, args)
     if watching:
         args, kwargs = _with_num_items(args, kwargs, num_items_watch.watched(
             num_items_watch.as_tensor_like_release(num_items)))
@@ -151,6 +154,20 @@ def training_step(wrapped, trainer, args, kwargs):
         return wrapped(*args, **kwargs)
     finally:
         accelerator.__dict__.pop(_STEP, None)
+
+
+def _compiled(trainer, args) -> bool:
+    """Under torch.compile a watched tensor sends the step through another graph (eager where the compiled graph
+    would run: measured, the loss differs in the last bits), so the loss is not watched there: the Trainer's
+    belief is followed, and said once."""
+    model = args[0] if args else getattr(trainer, "model", None)
+    compiled = bool(getattr(getattr(trainer, "args", None), "torch_compile", False)) or hasattr(model, "_orig_mod")
+    if compiled and trainer not in _verdicts:
+        _verdicts[trainer] = None  # no verdict: the belief stands
+        _log.warning("zerofix: %s runs under torch.compile: whether its loss reads num_items_in_batch is not "
+                     "measured there, the Trainer's own belief is followed; set loss_is_scaled_for_ga (transformers "
+                     ">= 5.19) or model_accepts_loss_kwargs to say what the loss is", type(trainer).__name__)
+    return compiled
 
 
 def compute_loss(wrapped, trainer, args, kwargs):
