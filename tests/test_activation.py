@@ -178,14 +178,17 @@ def test_zerofix_without_a_command_shows_the_commands_and_where_to_start():
 def test_an_unknown_option_is_reported_by_its_subcommand():
     proc = zerofix_cli("status", "--bogus")
     assert proc.returncode == 2
-    assert "usage: zerofix status" in proc.stderr and "unrecognized arguments: --bogus" in proc.stderr
+    # one line, by the subcommand, pointing at its --help (no usage block burying it)
+    assert proc.stderr.startswith("zerofix status: error: unrecognized arguments: --bogus") and \
+        proc.stderr.count("\n") == 1, proc.stderr
 
 
 @pytest.mark.parametrize("flag", ["--fixes", "--disable"])
 def test_zerofix_run_blames_the_flag_not_the_environment(flag):
     proc = zerofix_cli("run", flag, "nope", "--", sys.executable, "-c", "pass")
     assert proc.returncode == 2
-    assert f"{flag} 'nope'" in proc.stderr and "ZEROFIX=" not in proc.stderr and "usage: zerofix run" in proc.stderr
+    assert f"{flag} 'nope'" in proc.stderr and "ZEROFIX=" not in proc.stderr and \
+        proc.stderr.startswith("zerofix run: error:")
 
 
 def test_help_is_plain_text_and_dir_lists_the_public_names():
@@ -252,3 +255,15 @@ def test_opt_in_entries_apply_only_when_named():
         print(ID in p._enabled)
     """.replace("ID", repr(OPT_IN)), env={"ZEROFIX": "1", "ZEROFIX_OPT_IN": OPT_IN})
     assert proc.stdout.strip().endswith("True"), proc.stdout + proc.stderr
+
+
+def test_a_misspelt_variable_is_named_not_ignored():
+    """ZEROFIX_FIXES is not a variable: with ZEROFIX=1 the fixes apply and the warning names the real ones; alone,
+    nothing is patched and the warning still comes (the .pth runs zerofix when any ZEROFIX_ variable is set)."""
+    settings = read_environment({"ZEROFIX": "1", "ZEROFIX_FIXES": "x"})
+    assert settings.enabled and any("ZEROFIX_FIXES is not a zerofix variable" in w and "ZEROFIX_DISABLE" in w
+                                    for w in settings.warnings), settings.warnings
+    assert read_environment({"ZEROFIX": "yes"}).enabled and not read_environment({"ZEROFIX": "no"}).enabled
+    proc = subprocess.run([sys.executable, "-c", "import zerofix.activation as a; print(a.autopatch())"],
+                          capture_output=True, text=True, env={**os.environ, "ZEROFIX_FIXES": "x", "ZEROFIX": "0"})
+    assert proc.stdout.strip() == "None" and "ZEROFIX_FIXES is not a zerofix variable" in proc.stderr, proc.stderr

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -147,7 +148,8 @@ def run_cli(*argv) -> int:
 @pytest.mark.parametrize("argv, message", [
     (["--only", "nope"], "no scenario matches 'nope'"),
     (["--quick", "--nproc", "2"], "--quick runs 1 process"),
-    (["--nproc", "0"], "--nproc must be at least 1"),
+    (["--nproc", "0"], "argument --nproc: 0 is not a positive number (1 or more)"),
+    (["--nproc", "two"], "argument --nproc: 'two' is not a whole number"),
     (["--only", "trainer-1proc-custom", "--skip", "trainer-*"], "no scenario left to run"),
     (["--frobnicate"], "unrecognized arguments"),
     (["--timeout", "0"], "--timeout must be a positive number of seconds"),
@@ -155,7 +157,9 @@ def run_cli(*argv) -> int:
 ])
 def test_usage_errors_exit_2_and_say_why(argv, message, capsys):
     assert run_cli(*argv) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # one line: the problem and where the options are, no usage block before it
+    assert message in err and err.count("\n") == 1 and "--help' lists the options" in err, err
 
 
 def test_plot_without_matplotlib_is_a_usage_error_that_names_the_fix(monkeypatch, capsys):
@@ -168,6 +172,55 @@ def test_list_prints_every_scenario(capsys):
     assert run_cli("--list") == 0
     out = capsys.readouterr().out
     assert all(name in out for name in plan.NAMES)
+
+
+def test_list_prints_the_rows_that_would_run(tmp_path, capsys):
+    """--list follows --only and --deepspeed: the rows a run with the same arguments trains."""
+    assert run_cli("--list", "--only", "trainer-1proc-*") == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == [
+        n for n in plan.NAMES if n.startswith("trainer-1proc-")]
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 4}')
+    assert run_cli("--list", "--deepspeed", str(ds)) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == [
+        "trainer-causal-lm", "trainer-custom", "accelerate-causal-lm", "deepspeed-manual", "deepspeed-own"]
+
+
+def test_progress_is_whole_lines_when_not_a_terminal():
+    """A saved log gets one line per job, no carriage returns (tqdm's bar only on a terminal)."""
+    import io
+
+    from zerofix.check import command
+
+    stream = io.StringIO()
+    bar = command._progress(2, stream)
+    for name in ("trainer-1proc", "deepspeed"):
+        bar.set_description(name)
+        bar.update(1)
+    bar.close()
+    assert stream.getvalue() == "zerofix check: job 1/2: trainer-1proc\nzerofix check: job 2/2: deepspeed\n"
+
+
+def test_make_check_exits_with_the_checks_status(tmp_path):
+    """`make check` in a user's CI fails when the check does (a WRONG row exits 1): the recipe, run with a stand-in
+    for the stack's zerofix that exits 1."""
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    for name in ("Makefile", "setup.cfg", "setup.py"):
+        shutil.copy(root / name, tmp_path / name)
+    (tmp_path / "constraints").mkdir()
+    (tmp_path / "constraints" / "fake.txt").write_text("")
+    bin_dir = tmp_path / ".venvs" / "fake" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "zerofix").write_text("#!/bin/sh\necho 'a WRONG row'\nexit 1\n")
+    (bin_dir / "zerofix").chmod(0o755)
+    (tmp_path / ".venvs" / "fake" / ".installed").touch()  # newer than the files it depends on: no rebuild
+    proc = subprocess.run(["make", "-s", "check", "CHECK_STACK=fake"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode != 0 and "zerofix check exited with 1" in proc.stdout, (proc.returncode, proc.stdout)
+    (bin_dir / "zerofix").write_text("#!/bin/sh\nexit 0\n")
+    assert subprocess.run(["make", "-s", "check", "CHECK_STACK=fake"], cwd=tmp_path).returncode == 0
 
 
 # ---- real runs ------------------------------------------------------------------------------------------

@@ -106,14 +106,19 @@ def test_bad_configurations_name_the_fix(tmp_path, config, kwargs, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--gas", "4"], "--gas describe your run's configuration: give it with --deepspeed"),
+    (["--gas", "4"], "--gas describes your own run, which needs its DeepSpeed config too: add --deepspeed"),
+    (["--model", "m", "--gas", "2"], "--gas and --model describe your own run"),
+    (["--deepspeed", "{ds}", "--gas", "0"], "argument --gas: 0 is not a positive number"),
+    (["--deepspeed", "{bad}"], "not valid JSON (Expecting property name enclosed in double quotes, line 1, column 2); "
+                               "give the DeepSpeed config file your run passes"),
     (["--deepspeed", "/nonexistent/ds.json"], "--deepspeed /nonexistent/ds.json: no such file"),
     (["--deepspeed", "{ds}", "--quick"], "--quick runs the built-in scenarios"),
     (["--deepspeed", "{ds}", "--only", "zero3-loss-*"], "no scenario matches 'zero3-loss-*'"),  # ZeRO-2 has none
 ])
 def test_usage_errors_of_the_own_configuration(tmp_path, capsys, argv, message):
-    ds = write(tmp_path, "ds.json", ZERO2)
-    assert run_cli(*[a.replace("{ds}", ds) for a in argv]) == 2
+    ds, bad = write(tmp_path, "ds.json", ZERO2), tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert run_cli(*[a.replace("{ds}", ds).replace("{bad}", str(bad)) for a in argv]) == 2
     assert message in capsys.readouterr().err
 
 

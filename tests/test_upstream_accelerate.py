@@ -30,7 +30,7 @@ import transformers.trainer, deepspeed, trl.trainer.sft_trainer  # noqa: F401 - 
 import zerofix
 
 def pytest_sessionfinish(session):
-    with open(os.environ["ZEROFIX_PEER_STATUS"], "w") as f:
+    with open(os.environ["PEER_SUITE_STATUS_FILE"], "w") as f:
         json.dump({r.id: r.state for r in zerofix.status()}, f)
 """
 
@@ -62,7 +62,7 @@ def start(root, plugin_dir, tmp_path, label, env_extra):
 
     junit, status = tmp_path / f"{label}.xml", tmp_path / f"{label}-status.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROFIX")}
-    env.update({"PYTHONPATH": str(plugin_dir), "ZEROFIX_PEER_STATUS": str(status), "CUDA_VISIBLE_DEVICES": "",
+    env.update({"PYTHONPATH": str(plugin_dir), "PEER_SUITE_STATUS_FILE": str(status), "CUDA_VISIBLE_DEVICES": "",
                 **env_extra})
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
                              "zerofix_peer_plugin", f"--junitxml={junit}", *SUITE], cwd=root, env=env,

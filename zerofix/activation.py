@@ -2,8 +2,8 @@
 
 Precedence: explicit ``zerofix.patch()`` arguments > environment > defaults. Variables:
 
-- ``ZEROFIX``: ``1``/``all``/``true``/``on`` = every default fix; a comma list of fix ids = those;
-  ``0``/``false``/``off``/unset = off (under ``zerofix run`` unset means on).
+- ``ZEROFIX``: ``1``/``all``/``true``/``on``/``yes`` = every default fix; a comma list of fix ids = those;
+  ``0``/``false``/``off``/``no``/unset = off (under ``zerofix run`` unset means on).
 - ``ZEROFIX_DISABLE``: comma list of fix ids to leave alone.
 - ``ZEROFIX_OPT_IN``: comma list of opt-in fix ids to apply too (``ZEROFIX=1`` applies every entry but those).
 - ``ZEROFIX_LOG``: ``debug``/``info``/``warning``: log zerofix's decisions to stderr at that level.
@@ -23,6 +23,7 @@ from typing import NamedTuple
 OFF = ("0", "false", "off", "no")
 ALL = ("1", "all", "true", "on", "yes")
 LOG_LEVELS = ("debug", "info", "warning")
+VARIABLES = ("ZEROFIX", "ZEROFIX_DISABLE", "ZEROFIX_OPT_IN", "ZEROFIX_LOG", "ZEROFIX_STRICT")
 
 
 class ConfigError(ValueError):
@@ -85,6 +86,10 @@ def read_environment(environ=None, *, default_on: bool = False) -> Settings:
         warnings.append(f"ZEROFIX_STRICT={env.get('ZEROFIX_STRICT')!r} is not valid (use 1 or 0); not strict, "
                         "the fixes still apply")
         strict_raw = ""
+    for name in sorted(k for k in env if k.startswith("ZEROFIX_") and k not in VARIABLES):
+        # a misspelt variable (ZEROFIX_FIXES for ZEROFIX) would otherwise be ignored without a word
+        warnings.append(f"{name} is not a zerofix variable and is ignored (zerofix reads {', '.join(VARIABLES)}; "
+                        "a list of fixes goes in ZEROFIX itself)")
     return Settings(enabled, fixes, disable, log_raw or None, strict_raw in ALL, tuple(warnings), opt_in)
 
 
@@ -137,6 +142,9 @@ def autopatch(*, default_on: bool = False):
         _warn_once(str(exc))
         return None
     if not settings.enabled:
+        for message in settings.warnings:  # off, but a ZEROFIX_* variable that does not exist is still named
+            if "is not a zerofix variable" in message:
+                _warn_setting(message)
         return None
     for message in settings.warnings:
         _warn_setting(message)

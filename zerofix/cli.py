@@ -179,11 +179,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fixes", help="comma list of fix ids (default: all)")
     p.add_argument("--disable", help="comma list of fix ids to leave alone")
     p.add_argument("command", nargs=argparse.REMAINDER)
+    for name, sub_command in sub.choices.items():
+        _one_line_errors(sub_command, name)
     return parser
 
 
+def _one_line_errors(sub, name: str) -> None:
+    """``sub.error`` prints one line naming the problem and where the options are (exit 2): the usage block
+    argparse prints first would bury the line that matters."""
+    sub.error = lambda message: sub.exit(2, f"zerofix {name}: error: {message} ('zerofix {name} --help' lists the "
+                                            "options)\n")
+
+
 def sub_parser(parser, name):
-    """The subcommand's parser, whose error() prints its own usage (exit 2)."""
+    """The subcommand's parser (its error() prints one line, exit 2)."""
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return action.choices[name]
 

@@ -2,6 +2,7 @@
 patched, and print one verdict per scenario (``zerofix.check.verdict``)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -26,8 +27,18 @@ def versions() -> dict:
     return found
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number (1 or more)")
+    return value
+
+
 def add_arguments(p) -> None:
-    p.add_argument("--nproc", type=int, default=None, help="ranks per multi-rank scenario (default 2)")
+    p.add_argument("--nproc", type=_positive_int, default=None, help="ranks per multi-rank scenario (default 2)")
     p.add_argument("--quick", action="store_true", help="1 process, the fewest scenarios (under a minute)")
     p.add_argument("--only", help="comma list of scenario names or patterns (deepspeed-*) to run")
     p.add_argument("--skip", help="comma list of scenario names or patterns to leave out")
@@ -41,7 +52,8 @@ def add_arguments(p) -> None:
                                "(docs/check.md, 'Check your own configuration')")
     own.add_argument("--deepspeed", metavar="DS_CONFIG.json", help="your DeepSpeed config (\"auto\" values are "
                      "resolved as the Trainer resolves them)")
-    own.add_argument("--gas", type=int, help="your gradient accumulation steps (default: the config's, else 4)")
+    own.add_argument("--gas", type=_positive_int,
+                     help="your gradient accumulation steps (default: the config's, else 4)")
     own.add_argument("--bf16", action="store_true", help="your run trains in bf16 (bf16.enabled \"auto\")")
     own.add_argument("--fp16", action="store_true", help="your run trains in fp16 (not reproducible on CPU)")
     own.add_argument("--model", metavar="PATH", help="a local model directory or config.json: the scenarios train a "
@@ -53,13 +65,13 @@ def add_arguments(p) -> None:
 
 def main(args, parser) -> int:
     if args.list:
-        for s in plan.SCENARIOS:
-            print(f"{s.name:<28} {s.title}{'  [quick]' if s.quick else ''}")
-        return 0
+        return _list(args, parser)
     own = [f"--{name.replace('_', '-')}" for name in ("gas", "bf16", "fp16", "model", "trainer_args")
            if getattr(args, name) not in (None, False)]
     if own and not args.deepspeed:
-        parser.error(f"{', '.join(own)} describe your run's configuration: give it with --deepspeed DS_CONFIG.json")
+        said = " and ".join(own)
+        parser.error(f"{said} {'describes' if len(own) == 1 else 'describe'} your own run, which needs its DeepSpeed "
+                     f"config too: add --deepspeed DS_CONFIG.json (or leave out {said} for the built-in scenarios)")
     if args.deepspeed and args.quick:
         parser.error("--quick runs the built-in scenarios; leave it out with --deepspeed")
     if args.quick and args.nproc not in (None, 1):
@@ -132,6 +144,31 @@ def main(args, parser) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(document, indent=1))
     return code
+
+
+def _list(args, parser) -> int:
+    """The rows a run with these arguments would train: the built-in scenarios, or with --deepspeed the rows for
+    that configuration (its --model built, so a classifier lists its own Trainer row)."""
+    rows = plan.SCENARIOS
+    if args.deepspeed:
+        workdir = Path(tempfile.mkdtemp(prefix="zerofix-check-list-"))
+        try:
+            rows = _user_setup(args, args.nproc or 2, workdir)["rows"]
+        except userconfig.ConfigError as exc:
+            parser.error(str(exc))
+        finally:
+            import shutil
+
+            shutil.rmtree(workdir, ignore_errors=True)
+    try:
+        chosen = {r.name for r in plan.select(only=_names(args.only), skip=_names(args.skip), quick=args.quick,
+                                               rows=rows)}
+    except plan.UsageError as exc:
+        parser.error(str(exc))
+    for s in rows:
+        if s.name in chosen:
+            print(f"{s.name:<28} {s.title}{'  [quick]' if s.quick else ''}")
+    return 0
 
 
 def _remove(workdir: Path, args) -> None:
@@ -334,7 +371,28 @@ class _NoBar:
         pass
 
 
-def _progress(total: int):
+class _LineBar:
+    """Progress as whole lines, for a log file or a CI's output (what tqdm and pip do there): one line per job as
+    it starts, no carriage returns."""
+
+    def __init__(self, total: int, stream=None):
+        self.total, self.done, self.stream = total, 0, stream or sys.stderr
+
+    def set_description(self, name):
+        self.stream.write(f"zerofix check: job {self.done + 1}/{self.total}: {name}\n")
+        self.stream.flush()
+
+    def update(self, n):
+        self.done += n
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, stream=None):
+    stream = stream or sys.stderr
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        return _LineBar(total, stream)
     try:
         from tqdm import tqdm
     except ImportError:

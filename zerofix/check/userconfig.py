@@ -68,9 +68,10 @@ def _read_json(path, option: str) -> dict:
     try:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{option} {path}: not valid JSON ({exc.msg}, line {exc.lineno}); "
-                          "give the JSON file your run passes (a TrainingArguments JSON is what "
-                          "TrainingArguments.to_json_string() writes)") from None
+        hint = ("the DeepSpeed config file your run passes to the Trainer or the launcher" if option == "--deepspeed"
+                else "what TrainingArguments.to_json_string() writes")
+        raise ConfigError(f"{option} {path}: not valid JSON ({exc.msg}, line {exc.lineno}, column {exc.colno}); "
+                          f"give {hint}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{option} {path}: a JSON object is expected, found {type(data).__name__}")
     return data
