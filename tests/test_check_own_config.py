@@ -301,7 +301,13 @@ def test_trainer_report_lines():
               "warnings": ["short-window"]}
     records = [Record("a-fix", "applied", "deepspeed", "0.19.8", "", "", (engine,)),
                Record("b-fix", "not-affected", "transformers", "5.23.0", "", "")]
-    assert trainer_report.summary_lines(records) == ["zerofix: 1 fix applied in this run: a-fix (deepspeed 0.19.8)"]
+    assert trainer_report.summary_lines(records) == [
+        "zerofix: 1 fix acts on this run (through DeepSpeed): a-fix (deepspeed 0.19.8)"]
+    # a run without DeepSpeed names the Trainer's entry as acting and DeepSpeed's only as installed
+    scaling = Record("t-fix", "applied", "transformers", "5.23.0", "", "")
+    assert trainer_report.summary_lines([scaling, records[0]], deepspeed=False) == [
+        "zerofix: 1 fix acts on this run (no DeepSpeed): t-fix (transformers 5.23.0)",
+        "zerofix: also applied in this process, for paths this run does not take: a-fix"]
     seen = set()
     assert len(trainer_report.engine_lines(records, seen)) == 1 and trainer_report.engine_lines(records, seen) == []
     assert "short-window" in trainer_report.warning_lines(records, set())[0]
@@ -398,14 +404,22 @@ def test_own_configuration_with_a_tied_model_on_latest(tmp_path):
 @pytest.mark.stack("latest")
 def test_zerofix_says_once_in_a_trainer_runs_log_what_it_applies(tmp_path):
     """ZEROFIX=1 (activation in every rank), the Trainer through DeepSpeed ZeRO-2 on 2 ranks: the run's own log
-    (transformers' logger, main process) names the applied fixes once and the engine the DeepSpeed fix saw."""
+    (transformers' logger, main process) names the fixes acting on its path once and the engine the DeepSpeed fix
+    saw; without DeepSpeed, DeepSpeed's fixes are named only as applied in the process."""
     launch.torchrun("zerofix.check.scenarios.trainer_gas", ["--zerofix", "env", "--zero-stage", "2", "--gas", "2"],
                     nproc=2, out_dir=tmp_path, env={"ZEROFIX": "1", "TRANSFORMERS_VERBOSITY": "warning"})
     lines = [line for line in (tmp_path / "launcher.log").read_text().splitlines() if "zerofix:" in line]
-    applied = [line for line in lines if "applied in this run" in line]
-    assert len(applied) == 1 and "deepspeed-manual-accumulation (deepspeed " in applied[0]
+    applied = [line for line in lines if "on this run (through DeepSpeed)" in line]
+    assert len(applied) == 1 and "deepspeed-manual-accumulation (deepspeed " in applied[0] \
+        and "transformers-trainer-scaling (transformers " in applied[0], lines
     engines = [line for line in lines if "on the DeepSpeed engine" in line]
     assert len(engines) == 1 and "(ZeRO-2)" in engines[0]
+    launch.torchrun("zerofix.check.scenarios.trainer_gas", ["--zerofix", "env", "--gas", "2"], nproc=1,
+                    out_dir=tmp_path / "ddp", env={"ZEROFIX": "1", "TRANSFORMERS_VERBOSITY": "warning"})
+    lines = [line for line in (tmp_path / "ddp" / "launcher.log").read_text().splitlines() if "zerofix:" in line]
+    acting = [line for line in lines if "on this run (no DeepSpeed)" in line]
+    assert len(acting) == 1 and "transformers-trainer-scaling" in acting[0] and "deepspeed-" not in acting[0], lines
+    assert any("also applied in this process" in line and "deepspeed-manual-accumulation" in line for line in lines)
 
 
 @pytest.mark.distributed

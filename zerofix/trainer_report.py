@@ -3,7 +3,8 @@
 callbacks from, so it reaches Trainers built by TRL and by user code alike). On the main process only, and
 through transformers' logger (so ``log_level`` / ``log_level_replica`` and the run's log handlers apply):
 
-- at the start of training, once: which fixes are applied in this run, on which releases;
+- at the start of training, once: which fixes act on this run's path (the Trainer's own, DeepSpeed's when it
+  trains through DeepSpeed, TRL's when TRL is in use), on which releases, and the others applied in the process;
 - after the first optimizer step, once per DeepSpeed engine: whether zerofix's accumulation fix took it over,
   and why;
 - at the end: every warning zerofix's wrappers issued (a window shorter than the config's GAS, a checkpoint
@@ -68,15 +69,37 @@ def _add(module) -> None:
         defaults.append(callback_class())
 
 
-def summary_lines(records) -> list[str]:
-    """What zerofix does in this process, from ``_records()`` records (pure: unit-tested)."""
+def acts_in(record, *, deepspeed: bool, trl: bool) -> bool:
+    """Whether an applied fix concerns a Trainer run: the Trainer's own entries always; DeepSpeed's and accelerate's
+    only when the run goes through DeepSpeed (accelerate's entries concern its DeepSpeed path or a plain loop);
+    TRL's when TRL is in use."""
+    if record.dist == "transformers":
+        return True
+    if record.dist in ("deepspeed", "accelerate"):
+        return deepspeed and not getattr(record, "opt_in", False)
+    if record.dist == "trl":
+        return trl
+    return True
+
+
+def summary_lines(records, *, deepspeed: bool = True, trl: bool = True) -> list[str]:
+    """What zerofix does in this Trainer run, from ``_records()`` records (pure: unit-tested): the applied fixes
+    that act on this run's path, then the others applied in the process, only as installed."""
     if not records:
         return ["zerofix is not patched in this process (ZEROFIX=1 or zerofix.patch()): it changes nothing here"]
     applied = [r for r in records if r.state == "applied"]
     if not applied:
         return ["zerofix is active; no fix applies to the installed releases, so it changes nothing in this run"]
-    names = ", ".join(f"{r.id} ({r.dist} {r.installed})" for r in applied)
-    return [f"zerofix: {len(applied)} fix{'es' if len(applied) > 1 else ''} applied in this run: {names}"]
+    acting = [r for r in applied if acts_in(r, deepspeed=deepspeed, trl=trl)]
+    rest = [r for r in applied if r not in acting]
+    names = ", ".join(f"{r.id} ({r.dist} {r.installed})" for r in acting) or "none"
+    path = "this run (through DeepSpeed)" if deepspeed else "this run (no DeepSpeed)"
+    lines = [f"zerofix: {len(acting)} fix{'' if len(acting) == 1 else 'es'} act{'s' if len(acting) == 1 else ''} "
+             f"on {path}: {names}"]
+    if rest:
+        lines.append(f"zerofix: also applied in this process, for paths this run does not take: "
+                     f"{', '.join(r.id for r in rest)}")
+    return lines
 
 
 def engine_lines(records, seen: set) -> list[str]:
@@ -128,7 +151,10 @@ def _build_class():
         def on_train_begin(self, args, state, control, **kwargs):
             if state.is_world_process_zero and not self._started:
                 self._started = True
-                for line in summary_lines(_records()):
+                import sys
+
+                deepspeed = bool(getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None))
+                for line in summary_lines(_records(), deepspeed=deepspeed, trl="trl" in sys.modules):
                     logger.warning(line)
 
         def on_step_end(self, args, state, control, **kwargs):
