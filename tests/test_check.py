@@ -466,3 +466,28 @@ def test_trl_distill_row_on_trl1100(tmp_path):
     assert row["verdict"] == "fixed by trl-distillation-chunked-gather-zero3", stdout
     assert row["unpatched"]["error"].startswith(("crash: ", "hung: ")), stdout
     assert row["patched"]["rel_err"] < 1e-5, stdout
+
+
+def test_a_lock_left_by_an_interrupted_build_is_cleared_or_named(tmp_path):
+    """torch's JIT build lock in the extensions directory: an old one nobody works next to is removed; a young
+    one (a build may be running) is named with the command that removes it; the pre-flight says which."""
+    import os as _os
+
+    from zerofix.check import jitlock
+
+    old, young = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "cpu_adam" / "lock"
+    for lock in (old, young):
+        lock.parent.mkdir()
+        lock.touch()
+    now = old.stat().st_mtime + jitlock.STALE_AFTER + 60
+    _os.utime(young, (now - 5, now - 5))
+    messages = jitlock.clear_stale(tmp_path, now=now, busy=set())
+    assert not old.exists() and young.exists()
+    assert any(m.startswith(f"removed {old}") for m in messages)
+    assert any(f"rm {young}" in m for m in messages)
+    # a directory a live process works in (a compiler building there) keeps its lock, whatever its age
+    old.touch()
+    _os.utime(old, (now - jitlock.STALE_AFTER - 1,) * 2)
+    jitlock.clear_stale(tmp_path, now=now, busy={_os.path.realpath(old.parent)})
+    assert old.exists()
+    assert jitlock.clear_stale(tmp_path / "absent") == []

@@ -220,7 +220,8 @@ def user_header(user: dict) -> str:
 
 def preflight(found: dict, rows) -> str:
     """One line: the prerequisites the selected scenarios need that are missing (torch for every one; a C++
-    compiler for DeepSpeed, which builds its CPU communication op on first use), or that all are there."""
+    compiler for DeepSpeed, which builds its CPU communication op on first use; no lock left by an interrupted
+    build, zerofix.check.jitlock), or that all are there."""
     import shutil
 
     needs_deepspeed = any("deepspeed" in plan.job(r.job).requires for r in rows)
@@ -237,6 +238,10 @@ def preflight(found: dict, rows) -> str:
             problems.append(f"no C++ compiler ({'$CXX=' + compiler if os.environ.get('CXX') else 'c++ or g++'} not "
                             "found): DeepSpeed builds its CPU communication op with one, so its scenarios will fail "
                             "(install g++, e.g. apt-get install g++)")
+    if needs_deepspeed and found.get("deepspeed"):
+        from zerofix.check import jitlock, launch
+
+        problems += jitlock.clear_stale(launch.scenario_env()["TORCH_EXTENSIONS_DIR"])
     if problems:
         return "pre-flight: " + "; ".join(problems)
     return "pre-flight: ok" + (f" ({', '.join(present)})" if present else "")
