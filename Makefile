@@ -22,7 +22,9 @@ REST_OF_FULL_TIER = -m "(distributed or slow) and not smoke"
 	$(PYTHON) -m venv .venvs/$*
 	# torch first, pinned (an unpinned torch would pull a multi-GB CUDA build)
 	.venvs/$*/bin/pip install -q -c constraints/$*.txt torch==2.13.0 setuptools wheel
-	.venvs/$*/bin/pip install -q --no-build-isolation -c constraints/$*.txt -e '.[$(call extras,$*)]'
+	# compat: the checkout on sys.path, so a folder named zerofix beside a script cannot shadow the package
+	.venvs/$*/bin/pip install -q --no-build-isolation -c constraints/$*.txt -e '.[$(call extras,$*)]' \
+		--config-settings editable_mode=compat
 	touch $@
 
 venv: $(call venv,$(STACK))

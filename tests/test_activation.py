@@ -267,3 +267,13 @@ def test_a_misspelt_variable_is_named_not_ignored():
     proc = subprocess.run([sys.executable, "-c", "import zerofix.activation as a; print(a.autopatch())"],
                           capture_output=True, text=True, env={**os.environ, "ZEROFIX_FIXES": "x", "ZEROFIX": "0"})
     assert proc.stdout.strip() == "None" and "ZEROFIX_FIXES is not a zerofix variable" in proc.stderr, proc.stderr
+
+
+def test_a_folder_named_zerofix_beside_a_script_does_not_shadow_the_package(tmp_path):
+    """The clone itself is such a folder when a script runs from the directory that holds it: with setuptools'
+    default editable finder `import zerofix` found that folder as an empty namespace package (no `patch`)."""
+    (tmp_path / "zerofix").mkdir()
+    (tmp_path / "train.py").write_text("import zerofix\nprint(callable(zerofix.patch), zerofix.__file__)\n")
+    proc = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert proc.returncode == 0 and proc.stdout.startswith("True"), proc.stderr[-2000:]
