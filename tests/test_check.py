@@ -241,7 +241,7 @@ def verdicts(document) -> dict:
 MANUAL = "fixed by deepspeed-manual-accumulation"
 HOOK = "fixed by deepspeed-output-hook-division"
 GRPO_ROWS = [n for n in plan.NAMES if n.startswith("trl-grpo-")]
-NO_REQUESTS = {n: "skipped: requests not installed" for n in GRPO_ROWS}  # the GRPO rows: the trl stacks
+# the GRPO rows run on every stack that installs requests (the grpo extra: latest, 2026-04 and the trl stacks)
 NO_DISTILL_LOOP = "skipped: trl {} has no chunked divergence loop (DistillationTrainer, 1.10.0 - 1.14.x)"
 EXPECTED = {
     # The default run, every scenario: what the catalogue says each stack does.
@@ -252,10 +252,12 @@ EXPECTED = {
                **{f"deepspeed-zero{s}-{o}manual": MANUAL for s in (1, 2) for o in ("", "offload-")},
                "trl-sft-uneven-chunks": "skipped: trl 1.16.0 has no _chunked_cross_entropy_loss (1.4.0 - 1.14.x; "
                "from 1.15.0 chunked_nll is nll)", "trl-distill-uneven-chunks": NO_DISTILL_LOOP.format("1.16.0"),
-               **NO_REQUESTS},
+               },
     "2026-04": {
         **{n: "ok" for n in plan.NAMES},
-        "trl-sft-uneven-chunks": "fixed by trl-chunked-nll-zero3", **NO_REQUESTS,
+        "trl-sft-uneven-chunks": "fixed by trl-chunked-nll-zero3",
+        # trl 1.5.1: GRPO's dapo loss over steps_per_generation != GAS, and 5.3's second division of its loss
+        **{n: "fixed by trl-grpo-window-normalisation + transformers-trainer-scaling" for n in GRPO_ROWS},
         "trl-distill-uneven-chunks": NO_DISTILL_LOOP.format("1.5.1"),
         **{f"trainer-{w}-{m}": "fixed by transformers-trainer-scaling"
            for w in ("1proc", "ddp") for m in ("causal-lm", "custom")},

@@ -39,7 +39,7 @@ def _positive_int(text: str) -> int:
 
 def add_arguments(p) -> None:
     p.add_argument("--nproc", type=_positive_int, default=None, help="ranks per multi-rank scenario (default 2)")
-    p.add_argument("--quick", action="store_true", help="1 process, the fewest scenarios (under a minute)")
+    p.add_argument("--quick", action="store_true", help="1 process, the fewest scenarios (15 s on 2 cores)")
     p.add_argument("--only", help="comma list of scenario names or patterns (deepspeed-*) to run")
     p.add_argument("--skip", help="comma list of scenario names or patterns to leave out")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON (for CI)")
@@ -48,8 +48,9 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout", type=float, default=300, help="seconds per job (default 300)")
     p.add_argument("--workdir", help="keep every run's files here (default: a temporary directory)")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
-    own = p.add_argument_group("your configuration", "run the scenarios that concern your run with its settings "
-                               "(docs/check.md, 'Check your own configuration')")
+    own = p.add_argument_group("your configuration", "run the scenarios that concern your run with its settings: "
+                               "--deepspeed with your DeepSpeed config file, and any of the options below (the README "
+                               "of zerofix's repository, 'Check your own configuration', has an example)")
     own.add_argument("--deepspeed", metavar="DS_CONFIG.json", help="your DeepSpeed config (\"auto\" values are "
                      "resolved as the Trainer resolves them)")
     own.add_argument("--gas", type=_positive_int,
