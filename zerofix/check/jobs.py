@@ -266,6 +266,8 @@ def trl_grpo(job, rows, nproc, out_dir, timeout):
         records = launch.torchrun("zerofix.check.scenarios.trl_grpo", args + (["--zerofix"] if variant == "patched"
                                   else []), nproc=nproc, out_dir=out, timeout=timeout)
         status[variant] = records[0]["status"]
+        if variant == "patched":
+            patched_records = records
         for row_name, case in cases.items():
             name = scenario.case_name(case)
             failed = next((r["cases"][name]["error"] for r in records if "error" in r["cases"][name]), None)
@@ -274,7 +276,13 @@ def trl_grpo(job, rows, nproc, out_dir, timeout):
                 continue
             res = scenario.reference_update(model_dir, sorted(out.glob(f"{name}-rank*.pt")))
             results[row_name][variant] = _outcome(reference.compare_updates(res["got"], res["ref"]))
-    return {r.name: {**results[r.name], "applied": _applied(status["patched"], r.fixes)} for r in rows}
+    acted = {}  # the Trainer scaling names itself only where it changed a backward of the row's trainer
+    for row_name, case in cases.items():
+        details = [r["cases"][scenario.case_name(case)].get("scaling") for r in patched_records]
+        acted[row_name] = any(d and d.get("corrected") for d in details)
+    return {r.name: {**results[r.name], "applied": [f for f in _applied(status["patched"], r.fixes)
+                                                    if f != "transformers-trainer-scaling" or acted[r.name]]}
+            for r in rows}
 
 
 # zerofix check's GRPO rows: steps_per_generation above and below GAS (generation batches divisible by

@@ -77,6 +77,7 @@ def main() -> None:
     for case in json.loads(args.cases):
         try:
             record["cases"][case_name(case)] = train(args, case, out, rank)
+            record["cases"][case_name(case)]["scaling"] = _scaling_details()
         except Exception as exc:  # noqa: BLE001 - recorded; the test decides
             record["cases"][case_name(case)] = {"error": f"{type(exc).__name__}: {exc}",
                                                 "traceback": traceback.format_exc()[-4000:]}
@@ -87,6 +88,14 @@ def main() -> None:
     from zerofix.check.scenarios import finish
 
     finish()
+
+
+def _scaling_details():
+    """transformers-trainer-scaling's record of the case's trainer (the last one), or None: whether it acted."""
+    import zerofix
+
+    runtime = next((r.runtime for r in zerofix.status() if r.id == "transformers-trainer-scaling"), ())
+    return dict(runtime[-1]) if runtime else None
 
 
 def train(args, case: dict, out: Path, rank: int) -> dict:
