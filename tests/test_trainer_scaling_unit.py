@@ -69,7 +69,7 @@ def test_an_int_count_is_watched_as_a_tensor_once():
 def test_no_count_no_watch():
     t, seen = trainer(), []
     fix.training_step(lambda m, i, n: seen.append(n), t, (t.model, {}, None), {})
-    assert seen == [None] and t not in fix._verdicts
+    assert seen == [None] and not fix.known(t).measured
 
 
 def test_a_compiled_model_is_not_watched_and_the_belief_is_followed(caplog):
@@ -83,5 +83,5 @@ def test_a_compiled_model_is_not_watched_and_the_belief_is_followed(caplog):
     with caplog.at_level(logging.WARNING, logger="zerofix"):
         fix.training_step(step, t, (t.model, {}, count), {})
     assert seen == [count] and seen[0] is count
-    assert fix._verdicts[t] is None and "torch.compile" in caplog.text
+    assert fix.known(t).measured and fix.known(t).reads is None and "torch.compile" in caplog.text
     assert losses[0].item() == 1.0  # the Trainer's belief (normalised): nothing divided

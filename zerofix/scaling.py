@@ -75,7 +75,6 @@ class Call(NamedTuple):
     trainer_divided: int  # what training_step divided it by
     window: int  # micro-batches in this window
     downstream: int  # what accelerate (no DeepSpeed) or the engine (scale_wrt_gas) divides by afterwards
-    deepspeed: bool
 
 
 def call_of(version: tuple[int, ...], facts: TrainerFacts, *, reads_num_items: bool | None, stated: bool,
@@ -92,7 +91,7 @@ def call_of(version: tuple[int, ...], facts: TrainerFacts, *, reads_num_items: b
     return Call(loss_is_mean=mean,
                 world_multiplied=world_multiplier(version, facts) if base_ran else 1,
                 trainer_divided=trainer_division(version, facts),
-                window=facts.window, downstream=downstream, deepspeed=deepspeed)
+                window=facts.window, downstream=downstream)
 
 
 class Plan(NamedTuple):

@@ -76,7 +76,7 @@ def acts_in(record, *, deepspeed: bool, trl: bool) -> bool:
     if record.dist == "transformers":
         return True
     if record.dist in ("deepspeed", "accelerate"):
-        return deepspeed and not getattr(record, "opt_in", False)
+        return deepspeed
     if record.dist == "trl":
         return trl
     return True

@@ -11,6 +11,8 @@ A sequence-level kind's samples carry one class label each (``TASK``).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +25,7 @@ MODEL_KINDS = ("causal-lm", "custom", "seq-cls-llama", "seq-cls-bert", "peft-seq
 SEQUENCE_KINDS = ("seq-cls-llama", "seq-cls-bert", "peft-seq-cls-llama")
 
 
+@functools.lru_cache(maxsize=None)  # the reference asks per micro-batch; an hf: kind's answer is in a file
 def task_of(kind: str) -> str:
     """"sequence" (one label per sample, the loss a mean over samples) or "token" (next-token labels); a
     ``hf:<file>`` kind says which in its shrunk config (zerofix.check.usermodel)."""

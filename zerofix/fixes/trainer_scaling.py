@@ -72,12 +72,31 @@ FIX_ID = "transformers-trainer-scaling"
 FIX_IDS = (FIX_ID,)
 _STEP = "_zerofix_trainer_step"  # in accelerator.__dict__ while a Trainer step runs
 _log = logging.getLogger("zerofix")
-_verdicts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> loss reads num_items (bool)
-_windows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> micro-batches of its window
-_stated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> stated(trainer), read once
-_seen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> its runtime_details() dict
-_plans: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> {facts: scaling.Plan}
-_details: list[dict] = []  # one per trainer, in order (plain dicts: no reference to a user's object)
+_details: list[dict] = []  # runtime_details(), one per trainer, in order (plain dicts: no reference to a trainer)
+
+
+class Known:
+    """What zerofix knows of one trainer, kept beside it (a weak mapping), never on the user's object."""
+
+    __slots__ = ("measured", "reads", "window", "stated", "details", "plans")
+
+    def __init__(self):
+        self.measured = False  # a verdict was taken (or refused: a compiled model)
+        self.reads = None  # the verdict: the loss read num_items_in_batch (None: none taken)
+        self.window = None  # micro-batches of the current window, as get_batch_samples fetched them
+        self.stated = None  # stated(trainer), read once: inspect.signature costs microseconds
+        self.details = None  # this trainer's runtime_details() entry, from its first backward
+        self.plans = {}  # facts -> scaling.Plan
+
+
+_known: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> Known
+
+
+def known(trainer) -> Known:
+    state = _known.get(trainer)
+    if state is None:
+        state = _known[trainer] = Known()
+    return state
 
 
 class TrainerStep:
@@ -145,7 +164,7 @@ def training_step(wrapped, trainer, args, kwargs):
     if accelerator is None or _STEP in accelerator.__dict__:  # a nested call
         return wrapped(*args, **kwargs)
     num_items = _num_items_arg(args, kwargs)
-    watching = num_items is not None and trainer not in _verdicts and not _compiled(trainer, args)
+    watching = num_items is not None and not known(trainer).measured and not _compiled(trainer, args)
     if watching:
         args, kwargs = _with_num_items(args, kwargs, num_items_watch.watched(
             num_items_watch.as_tensor_like_release(num_items)))
@@ -162,8 +181,8 @@ def _compiled(trainer, args) -> bool:
     belief is followed, and said once."""
     model = args[0] if args else getattr(trainer, "model", None)
     compiled = bool(getattr(getattr(trainer, "args", None), "torch_compile", False)) or hasattr(model, "_orig_mod")
-    if compiled and trainer not in _verdicts:
-        _verdicts[trainer] = None  # no verdict: the belief stands
+    if compiled and not known(trainer).measured:
+        known(trainer).measured = True  # no verdict: the belief stands
         _log.warning("zerofix: %s runs under torch.compile: whether its loss reads num_items_in_batch is not "
                      "measured there, the Trainer's own belief is followed; set loss_is_scaled_for_ga (transformers "
                      ">= 5.19) or model_accepts_loss_kwargs to say what the loss is", type(trainer).__name__)
@@ -180,18 +199,22 @@ def compute_loss(wrapped, trainer, args, kwargs):
 def get_batch_samples(wrapped, trainer, args, kwargs):
     result = wrapped(*args, **kwargs)
     try:
-        _windows[trainer] = len(result[0])
+        known(trainer).window = len(result[0])
     except (TypeError, IndexError):
         pass
     return result
+
+
+def _unwrap_peft(model):
+    """A PeftModel's base model (what the Trainer inspects), or the model itself."""
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
 
 
 def _trainer_guess(model) -> bool:
     """What the release's Trainer.__init__ guesses for ``model_accepts_loss_kwargs`` (PEFT-unwrapped): the
     model's ``accepts_loss_kwargs`` from 4.48, else whether the forward takes ``**kwargs`` (4.46-4.47: a
     ``**loss_kwargs`` parameter by that name)."""
-    if callable(getattr(model, "get_base_model", None)):  # a PeftModel
-        model = model.get_base_model()
+    model = _unwrap_peft(model)
     if release() >= (4, 48) and hasattr(model, "accepts_loss_kwargs"):
         return bool(model.accepts_loss_kwargs)
     try:
@@ -214,20 +237,21 @@ def stated(trainer) -> bool:
         model = trainer.accelerator.unwrap_model(trainer.model)
     except Exception:  # noqa: BLE001 - an exotic wrapper: take the model as it is
         model = trainer.model
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    if loss_func is None and hasattr(type(base), "accepts_loss_kwargs"):  # the model's author said
+    if loss_func is None and hasattr(type(_unwrap_peft(model)), "accepts_loss_kwargs"):  # the model's author said
         return True
     return bool(getattr(trainer, "model_accepts_loss_kwargs", False)) != _trainer_guess(model)
 
 
 def _stated_once(trainer) -> bool:
-    if trainer not in _stated:  # inspect.signature costs microseconds: once per trainer, not per step
-        _stated[trainer] = stated(trainer)
-    return _stated[trainer]
+    state = known(trainer)
+    if state.stated is None:
+        state.stated = stated(trainer)
+    return state.stated
 
 
 def describe(accelerator, step: TrainerStep, kwargs) -> scaling.Call:
     trainer = step.trainer
+    state = known(trainer)
     gas = int(trainer.args.gradient_accumulation_steps)
     facts = scaling.TrainerFacts(
         accepts_loss_kwargs=bool(getattr(trainer, "model_accepts_loss_kwargs", False)),
@@ -235,10 +259,10 @@ def describe(accelerator, step: TrainerStep, kwargs) -> scaling.Call:
         num_items=step.num_items is not None,
         average_tokens=bool(getattr(trainer.args, "average_tokens_across_devices", False)),
         loss_is_scaled_for_ga=getattr(trainer, "loss_is_scaled_for_ga", None),
-        processes=int(accelerator.num_processes), gas=gas, window=int(_windows.get(trainer) or gas))
+        processes=int(accelerator.num_processes), gas=gas, window=int(state.window or gas))
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     return scaling.call_of(
-        release(), facts, reads_num_items=_verdicts.get(trainer), stated=_stated_once(trainer), base_ran=step.base_ran,
+        release(), facts, reads_num_items=state.reads, stated=_stated_once(trainer), base_ran=step.base_ran,
         deepspeed=deepspeed, scale_wrt_gas=bool(kwargs.get("scale_wrt_gas", True)),
         accelerate_steps=int(accelerator.gradient_accumulation_steps))
 
@@ -246,27 +270,26 @@ def describe(accelerator, step: TrainerStep, kwargs) -> scaling.Call:
 def _plan(accelerator, step: TrainerStep, kwargs) -> scaling.Plan:
     """``scaling.plan(describe(...))``, computed once per distinct set of facts of a trainer: the facts change
     at a short window and when a verdict arrives, not from step to step (a step then costs a few attribute reads)."""
-    trainer = step.trainer
+    trainer, state = step.trainer, known(step.trainer)
     key = (getattr(trainer, "model_accepts_loss_kwargs", None), getattr(trainer, "compute_loss_func", None) is None,
            getattr(trainer, "loss_is_scaled_for_ga", None), step.num_items is None, step.base_ran,
-           _windows.get(trainer), _verdicts.get(trainer), kwargs.get("scale_wrt_gas", True),
+           state.window, state.reads, kwargs.get("scale_wrt_gas", True),
            accelerator.gradient_accumulation_steps, trainer.args.gradient_accumulation_steps)
-    plans = _plans.setdefault(trainer, {})
-    if key not in plans:
-        plans[key] = scaling.plan(describe(accelerator, step, kwargs))
-    return plans[key]
+    if key not in state.plans:
+        state.plans[key] = scaling.plan(describe(accelerator, step, kwargs))
+    return state.plans[key]
 
 
 def _record_verdict(step: TrainerStep) -> dict:
-    trainer = step.trainer
-    if trainer not in _seen:
-        _seen[trainer] = {"trainer": type(trainer).__name__, "loss": "not measured", "stated": _stated_once(trainer),
-                          "backwards": 0, "corrected": 0}
-        _details.append(_seen[trainer])
-    details = _seen[trainer]
-    if step.watching and trainer not in _verdicts:
+    trainer, state = step.trainer, known(step.trainer)
+    if state.details is None:
+        state.details = {"trainer": type(trainer).__name__, "loss": "not measured", "stated": _stated_once(trainer),
+                         "backwards": 0, "corrected": 0}
+        _details.append(state.details)
+    details = state.details
+    if step.watching and not state.measured:
         reads = num_items_watch.reads()
-        _verdicts[trainer] = reads > 0
+        state.measured, state.reads = True, reads > 0
         details["loss"] = "reads num_items_in_batch" if reads else "ignores num_items_in_batch"
         if not reads and not details["stated"]:
             _log.info("zerofix: %s's loss does not read num_items_in_batch: scaled as a micro-batch mean",
