@@ -15,16 +15,35 @@ FAST_TIER = -m "not (distributed or slow) or smoke"
 REST_OF_FULL_TIER = -m "(distributed or slow) and not smoke"
 
 .PHONY: check test test-all test-rest venv clean bench bench-ds
-.PRECIOUS: .venvs/%/.installed
+.PRECIOUS: .venvs/%/.installed $(UV) $(TORCH_WHEELS)/.fetched
 
-.venvs/%/.installed: constraints/%.txt setup.cfg setup.py
+# uv installs (about 25 s a stack where pip took about 55: parallel, its cache shared by every stack's build), in a
+# tools environment of its own. torch comes from the machine's CPU build, fetched once by pip (which knows where it
+# lies): an unpinned torch, or one from the registry, would be a multi-GB CUDA build. Bytecode is compiled at install:
+# a machine that sets PYTHONDONTWRITEBYTECODE would otherwise compile torch in every rank of every run.
+UV_VERSION = 0.13.9
+UV = .venvs/.tools/bin/uv
+TORCH_WHEELS = .venvs/.wheels
+
+$(UV):
+	$(PYTHON) -m venv .venvs/.tools
+	.venvs/.tools/bin/pip install -q uv==$(UV_VERSION)
+
+$(TORCH_WHEELS)/.fetched:
+	$(PYTHON) -m pip download -q --no-deps torch==2.13.0 -d $(TORCH_WHEELS)
+	@ls $(TORCH_WHEELS)/torch-2.13.0+cpu-*.whl >/dev/null 2>&1 || { echo "pip found no CPU build of torch 2.13.0" \
+		"(found: $$(ls $(TORCH_WHEELS))); the stacks need torch 2.13.0+cpu: put its wheel where pip finds it"; exit 1; }
+	touch $@
+
+.venvs/%/.installed: constraints/%.txt setup.cfg setup.py | $(UV) $(TORCH_WHEELS)/.fetched
 	@echo "== building .venvs/$* from constraints/$*.txt"
 	$(PYTHON) -m venv .venvs/$*
-	# torch first, pinned (an unpinned torch would pull a multi-GB CUDA build)
-	.venvs/$*/bin/pip install -q -c constraints/$*.txt torch==2.13.0 setuptools wheel
+	# torch first, the CPU build (pinned by the constraints too)
+	$(UV) pip install -q --python .venvs/$*/bin/python --compile-bytecode -c constraints/$*.txt \
+		$(TORCH_WHEELS)/torch-2.13.0+cpu-*.whl setuptools wheel
 	# compat: the checkout on sys.path, so a folder named zerofix beside a script cannot shadow the package
-	.venvs/$*/bin/pip install -q --no-build-isolation -c constraints/$*.txt -e '.[$(call extras,$*)]' \
-		--config-settings editable_mode=compat
+	$(UV) pip install -q --python .venvs/$*/bin/python --compile-bytecode --no-build-isolation -c constraints/$*.txt \
+		-e '.[$(call extras,$*)]' --config-settings editable_mode=compat
 	touch $@
 
 venv: $(call venv,$(STACK))

@@ -29,7 +29,7 @@ import timeit
 import torch
 import torch.distributed as dist
 
-from zerofix.check.scenarios.ds_accumulation import count_collectives  # noqa: E402 - imports no DeepSpeed
+from zerofix.check import collectives  # noqa: E402 - imports no DeepSpeed
 
 # Count collectives at the torch level, installed before DeepSpeed caches any of these functions.
 calls: collections.Counter = collections.Counter()
@@ -41,7 +41,7 @@ def _count(name: str, numel: int) -> None:
     elements[name] += numel
 
 
-count_collectives(_count)
+collectives.install(_count)
 
 import deepspeed  # noqa: E402
 

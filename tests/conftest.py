@@ -1,9 +1,16 @@
-"""Shared test set-up: stack selection and subprocess helpers.
+"""Shared test set-up: stack selection, the batch of distributed runs, and subprocess helpers.
 
 Stack-specific regression tests carry ``@pytest.mark.stack("NAME")`` and run only on that stack. The
 stack is detected by matching the installed key libraries against ``constraints/*.txt`` (``--stack``
 overrides; a stack whose versions are not installed is an error, so a regression test never silently
 runs on the wrong libraries).
+
+Distributed tests declare what they launch with ``@uses(builder)`` (the ``ranks`` mark): ``builder`` takes any of the
+test's parameters and ``stack`` by name and returns ``zerofix.check.runner.Request``s. After selection, the
+requests of every test that will run go into one batch (``zerofix.check.runner.Batch``: one session of ranks
+per rank count, the libraries imported once), which the ``ranks`` fixture runs the first time a test asks for
+it; each test then reads its own results (``ranks.result(request)``; building the same request again finds it).
+A run that hangs or crashes fails only the tests that read it.
 """
 from __future__ import annotations
 
@@ -85,6 +92,37 @@ def pytest_collection_modifyitems(config, items):
     if redundant:
         config.hook.pytest_deselected(items=redundant)
         items[:] = [item for item in items if item not in redundant]
+    config._zerofix_requests = [r for item in items if not item.get_closest_marker("skip")
+                                for r in declared_requests(item, stack)]
+
+
+def uses(builder):
+    """``@uses(builder)``: the ``ranks`` mark (a function as a mark's only argument would be taken for the marked
+    test itself)."""
+    return pytest.mark.ranks.with_args(builder)
+
+
+def declared_requests(item, stack) -> list:
+    """The requests of a test's ``ranks`` markers, built from its parameters and the stack."""
+    import inspect
+
+    params = {**getattr(getattr(item, "callspec", None), "params", {}), "stack": stack}
+    out = []
+    for marker in item.iter_markers("ranks"):
+        builder = marker.args[0]
+        out += builder(**{name: params[name] for name in inspect.signature(builder).parameters})
+    return out
+
+
+@pytest.fixture(scope="session")
+def ranks(request, tmp_path_factory):
+    """The batch of the session's distributed runs, every declared request run (at the first use)."""
+    from zerofix.check import runner
+
+    batch = runner.Batch(tmp_path_factory.mktemp("ranks"))
+    batch.add(*getattr(request.config, "_zerofix_requests", ()))
+    batch.run()
+    return batch
 
 
 @pytest.fixture(scope="session")

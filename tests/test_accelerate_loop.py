@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import uses
 from zerofix.check import launch, parity
 
 EXACT = 1e-6
@@ -41,25 +42,47 @@ def short_window_ratio(stack: str, stage) -> float:
     return 2 / 3
 
 
+def skipped_for_time(stack: str, stage, nproc: int) -> bool:
+    return stage is not None and nproc == 1 and stack not in NEWEST_STACKS
+
+
+def crashes_unpatched(stack: str, stage, nproc: int) -> bool:
+    """accelerate 1.3.0 enters engine.no_sync() inside accumulate(); DeepSpeed 0.16.3 rejects it for ZeRO-2/3
+    (accelerate-deepspeed-no-sync)."""
+    return stack == "2025-01" and stage is not None and nproc > 1
+
+
+def loop_requests(stack, stage, nproc):
+    """Both variants in one run; where the unpatched one crashes, each variant in a run of its own (the crash late)."""
+    if skipped_for_time(stack, stage, nproc):
+        return []
+    if crashes_unpatched(stack, stage, nproc):
+        return [parity.accelerate_request(cells(nproc)[:1], nproc=nproc, zero_stage=stage, zerofix="off", late=True),
+                parity.accelerate_request(cells(nproc), nproc=nproc, zero_stage=stage, zerofix="on")]
+    return [parity.accelerate_request(cells(nproc), nproc=nproc, zero_stage=stage)]
+
+
 @pytest.mark.stack(*ALL_STACKS)
 @pytest.mark.parametrize("stage, nproc", GROUPS, ids=GROUP_IDS)
-def test_accumulate_loop(tmp_path, stack, stage, nproc):
-    if stage is not None and nproc == 1 and stack not in NEWEST_STACKS:
+@uses(loop_requests)
+def test_accumulate_loop(ranks, stack, stage, nproc):
+    if skipped_for_time(stack, stage, nproc):
         pytest.skip("CI time: DeepSpeed with 1 rank runs on the newest stacks; the older ones show their bugs "
                     "with 2 ranks (docs/development.md, 'What runs where')")
-    if stack == "2025-01" and stage is not None and nproc > 1:
-        # accelerate 1.3.0 enters engine.no_sync() inside accumulate(); DeepSpeed 0.16.3 rejects it for ZeRO-2/3
-        # (accelerate-deepspeed-no-sync): unpatched a crash, patched the loop trains as on the other stacks.
+    if crashes_unpatched(stack, stage, nproc):
+        # unpatched a crash, patched the loop trains as on the other stacks
+        off, on = loop_requests(stack, stage, nproc)
         with pytest.raises(launch.LaunchError, match="no_sync context manager is incompatible"):
-            parity.accelerate_cells(tmp_path / "off", cells(nproc)[:1], nproc=nproc, zero_stage=stage, zerofix="off")
-        patched = parity.accelerate_cells(tmp_path / "on", cells(nproc), nproc=nproc, zero_stage=stage, zerofix="on")
+            ranks.result(off)
+        patched = ranks.result(on)
         for cell in cells(nproc):
             fixed = patched[cell["name"]]["patched"]
             assert all(w["rel_err"] < EXACT for w in fixed["per_window"][:2]), (cell, fixed)
             if cell["gas"] == 3:  # the short window: as accelerate < 1.10 leaves it (not applied)
                 assert fixed["per_window"][-1]["ratio"] == pytest.approx(short_window_ratio(stack, stage), abs=1e-4)
         return
-    results = parity.accelerate_cells(tmp_path, cells(nproc), nproc=nproc, zero_stage=stage)
+    (request,) = loop_requests(stack, stage, nproc)
+    results = ranks.result(request)
     for cell in cells(nproc):
         bug, fixed = results[cell["name"]]["unpatched"], results[cell["name"]]["patched"]
         where = f"{cell['name']} zero={stage} ranks={nproc}"
@@ -86,19 +109,28 @@ def test_accumulate_loop(tmp_path, stack, stage, nproc):
         if stage is None:  # no entry changes a plain loop without DeepSpeed: bitwise the unpatched weights
             import torch
 
-            before, after = (torch.load(tmp_path / cell["name"] / v / "final.pt") for v in ("unpatched", "patched"))
+            folder = ranks.folder(request) / cell["name"]
+            before, after = (torch.load(folder / v / "final.pt") for v in ("unpatched", "patched"))
             assert all(torch.equal(before[name], after[name]) for name in before), where
 
 
+TWO_EPOCHS = {"name": "custom-gas3-2epochs", "model": "custom", "gas": 3, "samples": 8 * 2 * 2, "epochs": 2}
+
+
+def two_epochs_request():
+    return [parity.accelerate_request([TWO_EPOCHS], nproc=2, zero_stage=2, opt_in=[SHORT])]
+
+
 @pytest.mark.stack("latest", "2024-11")
-def test_short_windows_under_deepspeed_over_two_epochs(tmp_path, stack):
+@uses(two_epochs_request)
+def test_short_windows_under_deepspeed_over_two_epochs(ranks, stack):
     """ZeRO-2, 2 ranks, GAS=3, two epochs of 8 micro-batches (windows 3, 3, 2, 3, 3, 2). accelerate >= 1.10
     (latest) closes each short window with 2/3 of its mean; accelerate 1.1.1 leaves the boundary to DeepSpeed's
     own count, so the first short window is never applied and every later window is shifted against the one
     accelerate reports. Patched with the opt-in accelerate-short-last-window, every window of both epochs equals
     the reference."""
-    cell = {"name": "custom-gas3-2epochs", "model": "custom", "gas": 3, "samples": 8 * 2 * 2, "epochs": 2}
-    result = parity.accelerate_cells(tmp_path, [cell], nproc=2, zero_stage=2, opt_in=[SHORT])[cell["name"]]
+    (request,) = two_epochs_request()
+    result = ranks.result(request)[TWO_EPOCHS["name"]]
     bug, fixed = result["unpatched"], result["patched"]
     assert fixed["windows"] == bug["windows"] == [6, 6, 4] * 2
     assert all(w["rel_err"] < EXACT for w in fixed["per_window"]), fixed["per_window"]

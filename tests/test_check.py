@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from zerofix import cli
-from zerofix.check import command, launch, plan, verdict
+from zerofix.check import launch, plan, report, verdict
 
 RIGHT = {"ratio": 1.0, "cosine": 1.0, "rel_err": 2e-7}
 LAST = {"ratio": 0.166, "cosine": 0.384, "rel_err": 1.08}
@@ -74,10 +74,10 @@ def test_selection():
     assert all(s.job in plan.JOBS for s in plan.SCENARIOS)
 
 
-def test_every_job_has_a_runner():
+def test_every_job_has_a_planner():
     from zerofix.check import jobs
 
-    assert all(callable(jobs.runner(job)) for job in plan.JOBS.values())
+    assert all(callable(jobs.planner(job)) for job in plan.JOBS.values())
 
 
 def test_every_fix_a_scenario_names_is_in_the_catalogue():
@@ -90,10 +90,10 @@ def test_every_fix_a_scenario_names_is_in_the_catalogue():
 def test_skip_reasons():
     job = plan.JOBS["trl-sft"]
     found = {"trl": "0.14.0", "transformers": "4.48.3", "accelerate": "1.3.0", "deepspeed": "0.16.3", "datasets": "3"}
-    assert command.skip_reason(job, 2, found) == "trl 0.14.0 has no loss_type='chunked_nll' (new in 1.4.0)"
-    assert command.skip_reason(job, 2, dict(found, trl="1.5.1")) is None
-    assert command.skip_reason(plan.JOBS["trainer-ddp"], 1, found) == "needs 2 ranks (--nproc 1)"
-    assert command.skip_reason(plan.JOBS["trainer-1proc"], 1, found) is None
+    assert plan.skip_reason(job, 2, found) == "trl 0.14.0 has no loss_type='chunked_nll' (new in 1.4.0)"
+    assert plan.skip_reason(job, 2, dict(found, trl="1.5.1")) is None
+    assert plan.skip_reason(plan.JOBS["trainer-ddp"], 1, found) == "needs 2 ranks (--nproc 1)"
+    assert plan.skip_reason(plan.JOBS["trainer-1proc"], 1, found) is None
 
 
 def test_table_and_summary():
@@ -109,7 +109,7 @@ def test_table_and_summary():
          "tail": "rank 1:\nAssertionError: y"},
         {"name": "f-row", "status": "skipped", "verdict": "skipped: trl not installed"},
     ]
-    text = command.table(rows)
+    text = report.table(rows)
     assert re.search(r"^b-row +crash +1\.0000 +1\.0000 +fixed by f$", text, re.M), text
     assert re.search(r"^c-row +- +- +0\.2500 +- +WRONG$", text, re.M), text
     assert re.search(r"^f-row +skipped: trl not installed$", text, re.M), text
@@ -121,7 +121,7 @@ def test_table_and_summary():
     assert "* c-row: known, not fixed: x" in text
     # one failed job: its failing rank's lines once, for both rows
     assert text.count("AssertionError: y") == 1 and "* d-row, e-row: the job failed" in text
-    assert command.summary(rows, 61.4) == "\n1 ok, 1 fixed, 1 WRONG, 2 failed, 1 skipped; total 61 s"
+    assert report.summary(rows, 61.4) == "\n1 ok, 1 fixed, 1 WRONG, 2 failed, 1 skipped; total 61 s"
 
 
 def test_failing_rank_tail():
@@ -190,15 +190,13 @@ def test_progress_is_whole_lines_when_not_a_terminal():
     """A saved log gets one line per job, no carriage returns (tqdm's bar only on a terminal)."""
     import io
 
-    from zerofix.check import command
-
     stream = io.StringIO()
-    bar = command._progress(2, stream)
+    bar = report.progress(2, stream)
     for name in ("trainer-1proc", "deepspeed"):
         bar.set_description(name)
         bar.update(1)
     bar.close()
-    assert stream.getvalue() == "zerofix check: job 1/2: trainer-1proc\nzerofix check: job 2/2: deepspeed\n"
+    assert stream.getvalue() == "zerofix check: run 1/2: trainer-1proc\nzerofix check: run 2/2: deepspeed\n"
 
 
 def test_make_check_exits_with_the_checks_status(tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import detect_stack
+from conftest import detect_stack, uses
 from zerofix import catalogue, versions
 from zerofix.check import accumulation, parity, reference
 from zerofix.check.accumulation import CORRECT, ERROR, NOOP, WRONG
@@ -48,9 +48,16 @@ CELLS = list(dict.fromkeys(MATRIX + accumulation.extra_cells() + TRANSPARENT + T
 pytestmark = [pytest.mark.distributed, pytest.mark.stack(*STACKS)]
 
 
+MATRIX = parity.ds_request(CELLS, nproc=2)
+
+
+def matrix():
+    return [MATRIX]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return parity.ds_accumulation(tmp_path_factory.mktemp("ds-accumulation"), CELLS, nproc=2)
+def runs(ranks):
+    return ranks.result(MATRIX)
 
 
 _references: dict = {}
@@ -72,6 +79,7 @@ def errors(runs, variant, cell, semantics):
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.name)
+@uses(matrix)
 def test_unpatched_shows_what_deepspeed_is_known_to_do(runs, cell):
     known = accumulation.known_unpatched(cell, metadata.version("deepspeed"))
     raised = runs["unpatched"][cell.name]["errors"]
@@ -100,6 +108,7 @@ IN_RANGE = {f.id for f in catalogue.FIXES
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.name)
+@uses(matrix)
 def test_patched_matches_the_reference(runs, cell):
     result = runs["patched"][cell.name]
     assert result["errors"] == [None] * runs["world"], result["errors"]
@@ -151,6 +160,7 @@ def comparable(event: dict) -> dict:
 
 
 @pytest.mark.parametrize("cell", TRANSPARENT, ids=lambda c: c.name)
+@uses(matrix)
 def test_a_path_deepspeed_gets_right_is_left_exactly_as_it_was(runs, cell):
     """Do no harm: unpatched and patched in the same ranks, every observable identical: the boundary flag
     before each backward, backward()'s value, the full gradient read after every backward DeepSpeed allows
@@ -181,6 +191,7 @@ def test_a_path_deepspeed_gets_right_is_left_exactly_as_it_was(runs, cell):
 
 
 @pytest.mark.parametrize("cell", TAKEOVER, ids=lambda c: c.name)
+@uses(matrix)
 def test_a_gradient_read_before_step_sees_the_window_mean(runs, cell):
     """Manual accumulation, a safe_get_full_grad read of every parameter after each backward: the read
     right before step() is the window's mean gradient, as DeepSpeed's own style reads it at its boundary.
@@ -217,6 +228,7 @@ def test_a_gradient_read_before_step_sees_the_window_mean(runs, cell):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@uses(matrix)
 def test_checkpoint_resumed_at_a_window_boundary_continues_identically(runs, stage):
     resumed = runs["patched"][accumulation.Cell(stage, 1, "a", "adamw", resume=True).name]["snapshots"]
     straight = runs["patched"][accumulation.Cell(stage, 1, "a", "adamw").name]["snapshots"]
@@ -224,6 +236,7 @@ def test_checkpoint_resumed_at_a_window_boundary_continues_identically(runs, sta
 
 
 @pytest.mark.parametrize("stage", [1, 2])
+@uses(matrix)
 def test_short_last_window_of_an_epoch_is_applied(runs, stage):
     cell = accumulation.Cell(stage, 1, "short")
     assert len(runs["patched"][cell.name]["snapshots"]) == 3
@@ -231,6 +244,7 @@ def test_short_last_window_of_an_epoch_is_applied(runs, stage):
     assert last_window_error < TOLERANCE["sgd"]
 
 
+@uses(matrix)
 def test_several_backwards_per_step_at_config_gas_above_one_are_followed_and_warned_once(runs):
     """3 backwards per step() with config GAS=4: DeepSpeed applies nothing until 4 step() calls, exactly as
     its own style with several backwards per micro-batch; zerofix cannot tell them apart, follows, says so
@@ -243,6 +257,7 @@ def test_several_backwards_per_step_at_config_gas_above_one_are_followed_and_war
 
 @pytest.mark.parametrize("cell", [c for c in AMBIGUOUS if c.style in ("g", "coalesce", "nosync", "zg")],
                          ids=lambda c: c.name)
+@uses(matrix)
 def test_a_usage_of_the_ambiguity_list_keeps_deepspeeds_updates_and_step_count(runs, cell):
     """Every cell of the ambiguity list, probed or not: the patched parameters after each window are the
     unpatched ones bitwise, and the engine ran as many optimizer steps (a takeover made every step() one)."""
@@ -256,6 +271,7 @@ def test_a_usage_of_the_ambiguity_list_keeps_deepspeeds_updates_and_step_count(r
 
 
 @pytest.mark.parametrize("stage", [1, 2])
+@uses(matrix)
 def test_zero_grad_between_backwards_discards_what_came_before_it(runs, stage):
     """A backward, zero_grad(), three backwards, step(): the update is the three's (DeepSpeed >= 0.18.3 keeps
     only the last; zerofix takes over from the second backward after zero_grad(), and a window lazily
@@ -269,35 +285,48 @@ def test_zero_grad_between_backwards_discards_what_came_before_it(runs, stage):
     assert seen["zero_grads"] == 2 and seen["flushed"] == 2, seen
 
 
+def trainer_request(stage):
+    return [parity.trainer_gas_request(model="causal-lm", nproc=2, gas=8, extra_args=("--zero-stage", str(stage)))]
+
+
 @pytest.mark.stack("latest", "2026-04")
 @pytest.mark.parametrize("stage", [2, 3])
-def test_trainer_through_deepspeed_stays_exact(tmp_path, stage):
+@uses(trainer_request)
+def test_trainer_through_deepspeed_stays_exact(ranks, stage):
     """Accelerate's DeepSpeedEngineWrapper flags the boundary itself: zerofix must leave it alone."""
-    result = parity.trainer_gas(tmp_path, model="causal-lm", nproc=2, gas=8,
-                                extra_args=["--zero-stage", str(stage)])
+    (request,) = trainer_request(stage)
+    result = ranks.result(request)
     for variant in ("unpatched", "patched"):
         assert result[variant]["rel_err"] < 1e-6, (variant, result[variant])
     # do no harm: DeepSpeed gets this path right, so the patched run's weights are the unpatched run's, bitwise
-    unpatched, patched = (torch.load(tmp_path / variant / "final.pt") for variant in ("unpatched", "patched"))
+    unpatched, patched = (torch.load(ranks.folder(request) / variant / "final.pt") for variant in ("unpatched", "patched"))
     assert all(torch.equal(unpatched[name], patched[name]) for name in unpatched)
     for runtime in result["patched"]["rank_runtime"]:
         (seen,) = runtime[FIX]
         assert (seen["zero_stage"], seen["windows"], seen["flushed"]) == (stage, 1, 0), seen
 
 
+SMOKE_OWN = next(c for c in TRANSPARENT if c.name == "z2-gas4-b-sgd-probe")
+SMOKE_READ = [c for c in TAKEOVER if c.name == "z2-gas1-a-sgd-probe"]  # a takeover probe where one exists
+# DeepSpeed's own coalesce_grad_reduction() (>= 0.19.7), where one exists: followed, every observable
+SMOKE_COALESCE = [c for c in AMBIGUOUS if c.name == "z2-gas1-coalesce-sgd-probe"]
+SMOKE_MANUAL = accumulation.Cell(2, 1, "a")
+
+
+def smoke():
+    return [parity.ds_request([SMOKE_MANUAL, SMOKE_OWN, *SMOKE_READ, *SMOKE_COALESCE], nproc=2)]
+
+
 @pytest.mark.smoke(subset_of_matrix=True)
-def test_smoke_manual_window_fixed_reads_right_and_deepspeeds_own_style_untouched(tmp_path):
-    """The fast tier's DeepSpeed smoke, one 2-rank launch of three cells of the matrices above: ZeRO-2 manual
+@uses(smoke)
+def test_smoke_manual_window_fixed_reads_right_and_deepspeeds_own_style_untouched(ranks):
+    """The fast tier's DeepSpeed smoke, one run of three cells of the matrices above: ZeRO-2 manual
     accumulation at config GAS=1 (both halves: unpatched as DeepSpeed is known to do on this release, patched
     equal to the reference), a manual window read with safe_get_full_grad before step() (the window's mean),
     and DeepSpeed's own style at GAS=4 (every observable identical unpatched and patched)."""
     version = metadata.version("deepspeed")
-    own = next(c for c in TRANSPARENT if c.name == "z2-gas4-b-sgd-probe")
-    read = [c for c in TAKEOVER if c.name == "z2-gas1-a-sgd-probe"]  # a takeover probe where one exists
-    # DeepSpeed's own coalesce_grad_reduction() (>= 0.19.7), where one exists: followed, every observable
-    coalesce = [c for c in AMBIGUOUS if c.name == "z2-gas1-coalesce-sgd-probe"]
-    manual = accumulation.Cell(2, 1, "a")
-    runs = parity.ds_accumulation(tmp_path, [manual, own, *read, *coalesce], nproc=2)
+    own, read, coalesce, manual = SMOKE_OWN, SMOKE_READ, SMOKE_COALESCE, SMOKE_MANUAL
+    runs = ranks.result(*smoke())
     test_unpatched_shows_what_deepspeed_is_known_to_do(runs, manual)
     test_patched_matches_the_reference(runs, manual)
     for cell in read:
@@ -307,14 +336,22 @@ def test_smoke_manual_window_fixed_reads_right_and_deepspeeds_own_style_untouche
             test_a_path_deepspeed_gets_right_is_left_exactly_as_it_was(runs, cell)
 
 
-def test_every_deepspeed_fix_still_matches_the_reference_after_patch_unpatch_patch(tmp_path):
+REPATCHED = [accumulation.Cell(1, 1, "a"), accumulation.Cell(2, 1, "a"), accumulation.Cell(2, 4, "b"),
+             accumulation.Cell(3, 4, "b", scale_wrt_gas=False)]
+
+
+def repatched():
+    return [parity.ds_request(REPATCHED, variants=("repatched",))]
+
+
+@uses(repatched)
+def test_every_deepspeed_fix_still_matches_the_reference_after_patch_unpatch_patch(ranks):
     """The orderings of test_orderings.py end in a training step: the DeepSpeed fixes in range are patched,
     unpatched and patched again (after DeepSpeed is imported), then a manual window (ZeRO-1/2, config GAS=1),
     DeepSpeed's own style at GAS=4 (ZeRO-2: the accumulator of 0.17.6-0.18.2) and the Trainer's
     scale_wrt_gas=False (ZeRO-3: the hook of 0.18.3) train as the patched runs do."""
-    cells = [accumulation.Cell(1, 1, "a"), accumulation.Cell(2, 1, "a"), accumulation.Cell(2, 4, "b"),
-             accumulation.Cell(3, 4, "b", scale_wrt_gas=False)]
-    runs = parity.ds_accumulation(tmp_path, cells, variants=("repatched",))
+    cells = REPATCHED
+    runs = ranks.result(*repatched())
     for cell in cells:
         result = runs["repatched"][cell.name]
         assert result["errors"] == [None] * runs["world"], result["errors"]

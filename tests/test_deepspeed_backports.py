@@ -14,7 +14,7 @@ from importlib import metadata
 
 import pytest
 
-from conftest import run_python
+from conftest import run_python, uses
 from zerofix import catalogue, versions
 from zerofix.check import parity
 
@@ -36,9 +36,13 @@ MEASURED_SCALE = {(2, "causal-lm"): 1 / 64, (2, "custom"): 1 / 64, (3, "causal-l
 pytestmark = pytest.mark.distributed
 
 
-def trainer(tmp_path, stage, model, nproc, **kwargs):
-    return parity.trainer_gas(tmp_path, model=model, nproc=nproc, gas=8, extra_args=["--zero-stage", str(stage)],
-                              **kwargs)
+def trainer_request(stage, model, nproc, also_last=False):
+    return [parity.trainer_gas_request(model=model, nproc=nproc, gas=8, extra_args=("--zero-stage", str(stage)),
+                                       also_last=also_last)]
+
+
+def accumulator_request(stage, model, nproc):
+    return trainer_request(stage, model, nproc, also_last=True)
 
 
 def states(result, fix_id):
@@ -47,8 +51,9 @@ def states(result, fix_id):
 
 @pytest.mark.stack("2025-10")
 @pytest.mark.parametrize("stage, model, nproc", CELLS, ids=CELL_IDS)
-def test_accumulator_keeps_every_micro_batch(tmp_path, stage, model, nproc):
-    result = trainer(tmp_path, stage, model, nproc, also_last=True)
+@uses(accumulator_request)
+def test_accumulator_keeps_every_micro_batch(ranks, stage, model, nproc):
+    result = ranks.result(*accumulator_request(stage, model, nproc))
     bug, fixed = result["unpatched"], result["patched"]
     if stage == 2:  # only each rank's last micro-batch of the window reaches the update
         assert bug["vs_last"]["rel_err"] < EXACT, bug
@@ -63,8 +68,9 @@ def test_accumulator_keeps_every_micro_batch(tmp_path, stage, model, nproc):
 
 @pytest.mark.stack("2025-12")
 @pytest.mark.parametrize("stage, model, nproc", CELLS, ids=CELL_IDS)
-def test_scale_wrt_gas_false_is_honoured(tmp_path, stage, model, nproc):
-    result = trainer(tmp_path, stage, model, nproc)
+@uses(trainer_request)
+def test_scale_wrt_gas_false_is_honoured(ranks, stage, model, nproc):
+    result = ranks.result(*trainer_request(stage, model, nproc))
     bug, fixed = result["unpatched"], result["patched"]
     assert bug["ratio"] == pytest.approx(MEASURED_SCALE[(stage, model)], rel=1e-4), bug
     assert bug["cosine"] > 1 - 1e-9, bug

@@ -22,6 +22,7 @@ import importlib.util
 
 import pytest
 
+from conftest import uses
 from zerofix.check import parity
 
 EXACT = 1e-6  # relative error of an update, float32 run vs float64 reference
@@ -128,13 +129,23 @@ def windows_of(result) -> list[dict]:
     return result.get("per_window", [result])
 
 
+def skipped_for_time(stack: str, stage, nproc: int) -> bool:
+    return stage is not None and nproc == 1 and stack not in NEWEST_STACKS
+
+
+def scaling_requests(stack, stage, nproc):
+    return [] if skipped_for_time(stack, stage, nproc) else [
+        parity.trainer_request(cells(nproc, stack), nproc=nproc, zero_stage=stage)]
+
+
 @pytest.mark.stack(*ALL_STACKS)
 @pytest.mark.parametrize("stage, nproc", GROUPS, ids=GROUP_IDS)
-def test_trainer_divides_exactly_once(tmp_path, stack, stage, nproc):
-    if stage is not None and nproc == 1 and stack not in NEWEST_STACKS:
+@uses(scaling_requests)
+def test_trainer_divides_exactly_once(ranks, stack, stage, nproc):
+    if skipped_for_time(stack, stage, nproc):
         pytest.skip("CI time: DeepSpeed with 1 rank runs on the newest stacks; the older ones show their bugs "
                     "with 2 ranks (docs/development.md, 'What runs where')")
-    results = parity.trainer_cells(tmp_path, cells(nproc, stack), nproc=nproc, zero_stage=stage)
+    results = ranks.result(*scaling_requests(stack, stage, nproc))
     for cell in cells(nproc, stack):
         bug, fixed = results[cell["name"]]["unpatched"], results[cell["name"]]["patched"]
         where = f"{cell['name']} zero={stage} ranks={nproc}"
@@ -169,14 +180,19 @@ REPATCH_CASES = {"2024-11": [(None, "custom"), (2, "causal-lm")], "2025-01": [(2
                  "2026-04": [(None, "causal-lm")], "latest": [(None, "seq-cls-bert")]}
 
 
+def repatch_requests(stack):
+    return [parity.trainer_gas_request(model=model, zerofix="repatched",
+                                       extra_args=("--zero-stage", str(stage)) if stage is not None else ())
+            for stage, model in REPATCH_CASES.get(stack, ())]
+
+
 @pytest.mark.stack(*REPATCH_CASES)
-def test_trainer_entries_still_match_the_reference_after_patch_unpatch_patch(tmp_path, stack):
+@uses(repatch_requests)
+def test_trainer_entries_still_match_the_reference_after_patch_unpatch_patch(ranks, stack):
     """The orderings of test_orderings.py end in a training step: the entry is patched, unpatched and patched
     again after transformers is imported, then the Trainer trains (GAS=8, 1 process): the update equals the
     reference, as the patched runs above do."""
-    for stage, model in REPATCH_CASES[stack]:
-        extra = ["--zero-stage", str(stage)] if stage is not None else []
-        result = parity.trainer_gas(tmp_path / f"{model}-{stage}", model=model, zerofix="repatched",
-                                    extra_args=extra)["repatched"]
+    for (stage, model), request in zip(REPATCH_CASES[stack], repatch_requests(stack), strict=True):
+        result = ranks.result(request)["repatched"]
         assert result["rel_err"] < EXACT, (stage, model, result)
         assert all(s[ENTRY] == "applied" for s in result["rank_status"]), result["rank_status"]

@@ -1,6 +1,6 @@
 """trl-chunked-nll-zero3 and trl-chunked-nll-gather-zero3: TRL's chunked_nll under ZeRO-3, real runs.
 
-2 ranks, ``accelerate launch`` with a ZeRO-3 config (``zero3_init_flag: true``, every parameter partitioned),
+2 ranks, as ``accelerate launch`` runs them (its variables, in one batch of runs) with a ZeRO-3 config (``zero3_init_flag: true``, every parameter partitioned),
 a tiny Llama saved locally and loaded by ``SFTTrainer`` with ``from_pretrained``, AdamW, 3 steps.
 
 - R1 (stack trl151-ds0154: trl 1.5.1, deepspeed 0.15.4): ``eval_on_start=True``; the evaluation runs the
@@ -29,11 +29,10 @@ pytest.importorskip("trl")
 pytest.importorskip("deepspeed")
 
 import os  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from conftest import uses  # noqa: E402
 from zerofix.check import jobs, launch  # noqa: E402
-from zerofix.check.scenarios import trl_sft  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 R1_STACK = "trl151-ds0154"
@@ -42,25 +41,22 @@ GATHER = "trl-chunked-nll-gather-zero3"
 SAME = 1e-5  # relative: float32, chunked sums in another order than the full logits
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return trl_sft.make_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+def sft(path, loss_type, *, zerofix=False, loss_fn="trl", **options):
+    """SFTTrainer under ZeRO-3 on 2 ranks, as accelerate launch runs it (the tiny Llama made by the first run that
+    needs it, in the batch's folder)."""
+    args = ["--model-dir", "{root}/tiny-llama", "--path", path, "--loss-type", loss_type, "--loss-fn", loss_fn]
+    name = f"sft-{path}-{loss_type}-{loss_fn}-{'patched' if zerofix else 'unpatched'}"
+    return jobs.trl_request(jobs.TRL_SFT, name, args + (["--zerofix"] if zerofix else []), nproc=2, timeout=400,
+                            **options)
 
 
-@pytest.fixture
-def sft(tmp_path, model_dir):
-    def run(path, loss_type, *, zerofix=False, loss_fn="trl", timeout=400):
-        name = f"{path}-{loss_type}-{loss_fn}-{'patched' if zerofix else 'unpatched'}"
-        args = ["--model-dir", str(model_dir), "--path", path, "--loss-type", loss_type, "--loss-fn", loss_fn]
-        records = launch.accelerate_launch(jobs.TRL_SFT, args + (["--zerofix"] if zerofix else []),
-                                           config=jobs.trl_accelerate_config(tmp_path), nproc=2,
-                                           out_dir=tmp_path / name, timeout=timeout)
-        assert len(records) == 2
-        for r in records:
-            if "error" not in r:
-                assert r["facts"] == {"zero3": True, "head_numel_after_load": 0, "head_is_zero3_param": True}
-        return records
-    return run
+def records(ranks, request) -> list[dict]:
+    got = ranks.records(request)
+    assert len(got) == 2
+    for r in got:
+        if "error" not in r:
+            assert r["facts"] == {"zero3": True, "head_numel_after_load": 0, "head_is_zero3_param": True}
+    return got
 
 
 def assert_same_training(got: list[dict], ref: list[dict]):
@@ -73,29 +69,35 @@ def assert_same_training(got: list[dict], ref: list[dict]):
         assert len(g["train_loss"]) == 3 and len(g["grad_norm"]) == 3
 
 
+def r1():
+    return [sft("r1", "nll"), sft("r1", "chunked_nll", late=True), sft("r1", "chunked_nll", zerofix=True)]
+
+
 @pytest.mark.stack(R1_STACK)
-def test_r1_eval_on_start_crashes_unpatched_and_trains_like_nll_patched(sft):
-    ref = sft("r1", "nll")
+@uses(r1)
+def test_r1_eval_on_start_crashes_unpatched_and_trains_like_nll_patched(ranks):
+    ref, crashed, patched = (records(ranks, r) for r in r1())
     assert all("error" not in r for r in ref), ref[0].get("traceback")
     assert all(len(r["eval_loss"]) == 3 for r in ref)  # on start, at step 2 and at the end
-    crashed = sft("r1", "chunked_nll")
     for r in crashed:
         assert r["status"]["trl-chunked-nll-zero3"] == "inactive"  # in range, not enabled
         assert r["error"].startswith("RuntimeError: in eval forward") and "size mismatch" in r["error"], r["error"]
         assert "vec (0)" in r["error"]
-    patched = sft("r1", "chunked_nll", zerofix=True)
     assert all(r["status"]["trl-chunked-nll-zero3"] == "applied" for r in patched)
     assert_same_training(patched, ref)
 
 
+def r2():
+    return [sft("r2", "nll"), sft("r2", "chunked_nll", late=True), sft("r2", "chunked_nll", zerofix=True)]
+
+
 @pytest.mark.stack(R1_STACK, "2026-04")
-def test_r2_compute_loss_override_crashes_unpatched_and_trains_like_nll_patched(sft):
-    ref = sft("r2", "nll")
+@uses(r2)
+def test_r2_compute_loss_override_crashes_unpatched_and_trains_like_nll_patched(ranks):
+    ref, crashed, patched = (records(ranks, r) for r in r2())
     assert all("error" not in r for r in ref), ref[0].get("traceback")
-    crashed = sft("r2", "chunked_nll")
     for r in crashed:
         assert r["error"].startswith("RuntimeError: in train forward") and "size mismatch" in r["error"], r["error"]
-    patched = sft("r2", "chunked_nll", zerofix=True)
     assert_same_training(patched, ref)
 
 
@@ -117,29 +119,37 @@ def processes_under(path: Path) -> list[int]:
     return [pid for pid in found if pid != os.getpid()]
 
 
-@pytest.mark.stack(*GATHER_STACKS)
-def test_r4_uneven_chunks_hang_unpatched_and_train_like_full_logits_patched(sft, tmp_path):
-    ref = sft("r4", "nll")
-    assert all("error" not in r for r in ref), ref[0].get("traceback")
-    began = time.monotonic()
+def r4():
+    """The reference, the patched run, then (last) the unpatched one with a limit of 3 x the patched run's time."""
     patched = sft("r4", "chunked_nll", zerofix=True)
-    took = time.monotonic() - began
+    return [sft("r4", "nll"), patched, sft("r4", "chunked_nll", late=True, bound=(patched, 3, 30.0))]
+
+
+@pytest.mark.stack(*GATHER_STACKS)
+@uses(r4)
+def test_r4_uneven_chunks_hang_unpatched_and_train_like_full_logits_patched(ranks):
+    ref_request, patched_request, unpatched_request = r4()
+    ref, patched = records(ranks, ref_request), records(ranks, patched_request)
+    assert all("error" not in r for r in ref), ref[0].get("traceback")
     assert all(r["status"][GATHER] == "applied" for r in patched)
     assert_uneven_chunks(patched)
     assert_same_training(patched, ref)
     # one gather in forward, one in backward, on every rank and step, whatever the chunk count
     assert all(s["head_gathers"] == 2 for r in patched for s in r["steps"]), [r["steps"] for r in patched]
-    bound = max(30.0, 3 * took)
     with pytest.raises(launch.LaunchError, match="timed out"):
-        sft("r4", "chunked_nll", timeout=bound)
-    assert processes_under(tmp_path / "r4-chunked_nll-trl-unpatched") == []  # the hung ranks were killed
+        ranks.records(unpatched_request)
+    # the hung ranks were killed (their session's plan is under the batch's folder)
+    assert processes_under(ranks.root) == []
+
+
+def r3():
+    return [sft("r3", "nll", loss_fn="full-logits"), sft("r3", "chunked_nll"), sft("r3", "chunked_nll", zerofix=True)]
 
 
 @pytest.mark.stack("trl160", "trl1142")
-def test_r3_trainer_step_is_unchanged_by_the_fix(sft):
-    ref = sft("r3", "nll", loss_fn="full-logits")
-    unpatched = sft("r3", "chunked_nll")
-    patched = sft("r3", "chunked_nll", zerofix=True)
+@uses(r3)
+def test_r3_trainer_step_is_unchanged_by_the_fix(ranks):
+    ref, unpatched, patched = (records(ranks, r) for r in r3())
     assert all(r["status"][GATHER] == "applied" for r in patched)
     for got in (unpatched, patched):
         assert_uneven_chunks(got)
@@ -148,10 +158,14 @@ def test_r3_trainer_step_is_unchanged_by_the_fix(sft):
     assert gathers[0] == gathers[1] and gathers[0][0] == gathers[0][1], gathers
 
 
+def r2_zerofix_loss():
+    return [sft("r2", "nll", zerofix=True), sft("r2", "chunked_nll", zerofix=True, loss_fn="zerofix")]
+
+
 @pytest.mark.stack("latest")
-def test_latest_entry_not_affected_and_r2_on_zerofix_loss_trains_like_nll(sft):
-    ref = sft("r2", "nll", zerofix=True)
+@uses(r2_zerofix_loss)
+def test_latest_entry_not_affected_and_r2_on_zerofix_loss_trains_like_nll(ranks):
+    ref, got = (records(ranks, r) for r in r2_zerofix_loss())
     assert all(r["status"]["trl-chunked-nll-zero3"] == "not-affected" for r in ref)
     assert all(r["status"][GATHER] == "not-affected" for r in ref)
-    got = sft("r2", "chunked_nll", zerofix=True, loss_fn="zerofix")
     assert_same_training(got, ref)

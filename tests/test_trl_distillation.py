@@ -1,6 +1,6 @@
 """trl-distillation-chunked-gather-zero3: TRL's DistillationTrainer under ZeRO-3, real runs.
 
-2 ranks, ``accelerate launch`` with a ZeRO-3 config (``zero3_init_flag: true``), a tiny student and a tiny teacher
+2 ranks, as ``accelerate launch`` runs them (its variables, in one batch of runs) with a ZeRO-3 config (``zero3_init_flag: true``), a tiny student and a tiny teacher
 saved locally (both partitioned), on-policy generation (no vLLM), the Trainer's own step, 3 steps, beta 0.5.
 Completions end at EOS (made likely), so the ranks count different numbers of completion tokens; with 4 rows per
 chunk their chunk counts differ in step 3 (6 and 4 chunks on trl 1.10.0, measured; the test asserts that some step
@@ -22,8 +22,7 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("deepspeed")
 
-import time  # noqa: E402
-
+from conftest import uses  # noqa: E402
 from zerofix.check import jobs, launch  # noqa: E402
 from zerofix.check.scenarios import trl_distill  # noqa: E402
 
@@ -32,19 +31,19 @@ FIX_ID = "trl-distillation-chunked-gather-zero3"
 SAME = 1e-5
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return trl_distill.make_models(tmp_path_factory.mktemp("tiny-distill"))
+def distill(variant, chunk, *, zerofix=False, **options):
+    """DistillationTrainer under ZeRO-3 on 2 ranks, as accelerate launch runs it (student and teacher made by the
+    first run that needs them, in the batch's folder)."""
+    args = ["--student", "{root}/distill/student", "--teacher", "{root}/distill/teacher", "--chunk", str(chunk)]
+    return jobs.trl_request(jobs.TRL_DISTILL, f"distill-{variant}", args + (["--zerofix"] if zerofix else []),
+                            nproc=2, timeout=400, **options)
 
 
-@pytest.fixture
-def distill(tmp_path, models):
-    def run(name, chunk, *, zerofix=False, timeout=400):
-        args = ["--student", str(models[0]), "--teacher", str(models[1]), "--chunk", str(chunk)]
-        return launch.accelerate_launch(jobs.TRL_DISTILL, args + (["--zerofix"] if zerofix else []),
-                                        config=jobs.trl_accelerate_config(tmp_path), nproc=2,
-                                        out_dir=tmp_path / name, timeout=timeout)
-    return run
+def uneven():
+    """The one-chunk reference, the patched run, then (last) the unpatched one, limited to 3 x the patched run."""
+    patched = distill("patched", trl_distill.CHUNK, zerofix=True)
+    return [distill("reference", trl_distill.WHOLE), patched,
+            distill("unpatched", trl_distill.CHUNK, late=True, bound=(patched, 3, 30.0))]
 
 
 def assert_same_training(got, ref):
@@ -60,13 +59,12 @@ def assert_same_training(got, ref):
 
 @pytest.mark.distributed
 @pytest.mark.stack(*STACKS)
-def test_uneven_chunks_break_unpatched_and_train_like_one_chunk_patched(distill):
-    ref = distill("reference", trl_distill.WHOLE)
+@uses(uneven)
+def test_uneven_chunks_break_unpatched_and_train_like_one_chunk_patched(ranks):
+    ref_request, patched_request, unpatched_request = uneven()
+    ref, patched = ranks.records(ref_request), ranks.records(patched_request)
     assert all("error" not in r for r in ref), ref[0].get("traceback")
     assert all(r["status"][FIX_ID] == "inactive" for r in ref)  # in range, not enabled
-    began = time.monotonic()
-    patched = distill("patched", trl_distill.CHUNK, zerofix=True)
-    took = time.monotonic() - began
     assert all(r["status"][FIX_ID] == "applied" for r in patched)
     assert_same_training(patched, ref)
     chunks = [[s["chunks"] for s in r["steps"]] for r in patched]
@@ -75,7 +73,7 @@ def test_uneven_chunks_break_unpatched_and_train_like_one_chunk_patched(distill)
         assert [s["teacher_head_gathers"] for s in step] == [1, 1], step
         assert step[0]["student_head_gathers"] == step[1]["student_head_gathers"] <= 2, step
     try:
-        broken = distill("unpatched", trl_distill.CHUNK, timeout=max(30.0, 3 * took))
+        broken = ranks.records(unpatched_request)
     except launch.LaunchError as exc:
         message = f"{exc}\n{exc.tail}"
         assert "collective mismatch" in message or "timed out" in message, message[-3000:]

@@ -18,7 +18,8 @@ import pytest
 
 pytest.importorskip("trl")
 
-from zerofix.check import launch  # noqa: E402
+from conftest import uses  # noqa: E402
+from zerofix.check import jobs, runner  # noqa: E402
 from zerofix.check.scenarios import trl_grpo  # noqa: E402
 
 pytestmark = pytest.mark.distributed
@@ -31,43 +32,62 @@ CASES = [{"loss_type": "dapo", "spg": spg, "gas": GAS} for spg in (1, 2, 4)] + [
 ONE_RANK = [{"loss_type": "dapo", "spg": 4, "gas": GAS}]
 
 
-@pytest.fixture(scope="module")
-def grpo(tmp_path_factory):
-    root = tmp_path_factory.mktemp("grpo")
-    model_dir = trl_grpo.make_model_dir(root / "tiny-llama")
+MODEL = "{root}/tiny-llama"  # made by the first run that needs it, in the batch's folder
 
-    def run(cases, *, zerofix, nproc=2):
-        out = root / f"{'patched' if zerofix else 'unpatched'}-n{nproc}-{len(cases)}"
-        args = ["--model-dir", str(model_dir), "--cases", json.dumps(cases)] + (["--zerofix"] if zerofix else [])
-        records = launch.torchrun("zerofix.check.scenarios.trl_grpo", args, nproc=nproc, out_dir=out, timeout=500)
-        assert len(records) == nproc
-        results = {}
-        for case in cases:
-            name = trl_grpo.case_name(case)
-            for r in records:
-                assert "error" not in r["cases"][name], r["cases"][name].get("traceback")
-                # every micro-step counts the same tokens: a window's count is GAS/spg of a generation batch's
-                assert len(set(r["cases"][name]["completion_tokens"])) == 1
-            res = trl_grpo.reference_update(model_dir, sorted(out.glob(f"{name}-rank*.pt")))
-            assert res["rank_spread"] == 0.0  # DDP: every rank holds the same update
-            ref, got = res["ref"], res["got"]
-            results[name] = {"ratio": float(got @ ref / (ref @ ref)),
-                             "rel_err": float((got - ref).norm() / ref.norm()), "got": got,
-                             "loss": records[0]["cases"][name]["loss"]}
-        return records, results
-    return run
+
+def grpo_request(cases, *, zerofix, nproc=2):
+    args = ["--model-dir", MODEL, "--cases", json.dumps(cases)] + (["--zerofix"] if zerofix else [])
+    return runner.Request(name=f"grpo-{'patched' if zerofix else 'unpatched'}-n{nproc}", module=jobs.TRL_GRPO,
+                          argv=tuple(args), nproc=nproc, timeout=500, imports=("transformers.trainer", "trl"))
+
+
+def grpo(ranks, cases, *, zerofix, nproc=2):
+    """The run's records, and per case its update against the float64 reference."""
+    request = grpo_request(cases, zerofix=zerofix, nproc=nproc)
+    records = ranks.records(request)
+    assert len(records) == nproc
+    results = {}
+    for case in cases:
+        name = trl_grpo.case_name(case)
+        for r in records:
+            assert "error" not in r["cases"][name], r["cases"][name].get("traceback")
+            # every micro-step counts the same tokens: a window's count is GAS/spg of a generation batch's
+            assert len(set(r["cases"][name]["completion_tokens"])) == 1
+        res = trl_grpo.reference_update(ranks.root / "tiny-llama", sorted(ranks.folder(request).glob(f"{name}-rank*.pt")))
+        assert res["rank_spread"] == 0.0  # DDP: every rank holds the same update
+        ref, got = res["ref"], res["got"]
+        results[name] = {"ratio": float(got @ ref / (ref @ ref)),
+                         "rel_err": float((got - ref).norm() / ref.norm()), "got": got,
+                         "loss": records[0]["cases"][name]["loss"]}
+    return records, results
+
+
+def both_variants():
+    return [grpo_request(CASES, zerofix=z) for z in (False, True)]
+
+
+def one_rank():
+    return [grpo_request(ONE_RANK, zerofix=z, nproc=1) for z in (False, True)]
+
+
+FIXED_CASES = [CASES[0], CASES[2], CASES[3]]  # spg < GAS, spg > GAS, cispo
+
+
+def fixed_releases():
+    return [grpo_request(FIXED_CASES, zerofix=True)]
 
 
 @pytest.mark.stack("trl160")
-def test_trl160_updates_are_gas_over_spg_unpatched_and_the_window_mean_patched(grpo):
-    records, unpatched = grpo(CASES, zerofix=False)
+@uses(both_variants)
+def test_trl160_updates_are_gas_over_spg_unpatched_and_the_window_mean_patched(ranks):
+    records, unpatched = grpo(ranks, CASES, zerofix=False)
     assert all(r["status"][e] == "inactive" for r in records for e in ENTRIES)
     for case in CASES:
         name, factor = trl_grpo.case_name(case), case["gas"] / case["spg"]
         # the update is the intended one scaled by GAS/spg: same direction, measured factor
         assert abs(unpatched[name]["ratio"] - factor) <= 1e-5 * factor, (name, unpatched[name]["ratio"])
         assert unpatched[name]["rel_err"] <= abs(1 - factor) + 1e-5, (name, unpatched[name]["rel_err"])
-    records, patched = grpo(CASES, zerofix=True)
+    records, patched = grpo(ranks, CASES, zerofix=True)
     assert all(r["status"][e] == "applied" for r in records for e in ENTRIES)
     for case in CASES:
         name = trl_grpo.case_name(case)
@@ -78,18 +98,19 @@ def test_trl160_updates_are_gas_over_spg_unpatched_and_the_window_mean_patched(g
 
 
 @pytest.mark.stack("trl160")
-def test_trl160_one_rank(grpo):
-    _, unpatched = grpo(ONE_RANK, zerofix=False, nproc=1)
-    _, patched = grpo(ONE_RANK, zerofix=True, nproc=1)
+@uses(one_rank)
+def test_trl160_one_rank(ranks):
+    _, unpatched = grpo(ranks, ONE_RANK, zerofix=False, nproc=1)
+    _, patched = grpo(ranks, ONE_RANK, zerofix=True, nproc=1)
     name = trl_grpo.case_name(ONE_RANK[0])
     assert abs(unpatched[name]["ratio"] - 0.5) <= 1e-5 * 0.5, unpatched[name]
     assert patched[name]["rel_err"] <= SAME, patched[name]
 
 
 @pytest.mark.stack("trl1100", "trl1142")
-def test_fixed_releases_are_not_affected_and_equal_the_reference(grpo):
-    cases = [CASES[0], CASES[2], CASES[3]]  # spg < GAS, spg > GAS, cispo
-    records, results = grpo(cases, zerofix=True)
+@uses(fixed_releases)
+def test_fixed_releases_are_not_affected_and_equal_the_reference(ranks):
+    records, results = grpo(ranks, FIXED_CASES, zerofix=True)
     assert all(r["status"][ENTRIES[0]] == "not-affected" for r in records)
     for name, res in results.items():
         assert res["rel_err"] <= SAME, (name, res["rel_err"])

@@ -24,24 +24,31 @@ import pytest
 
 pytest.importorskip("trl")
 
-from zerofix.check import launch, reference  # noqa: E402
-from zerofix.check.scenarios import trl_trainers  # noqa: E402
+from conftest import uses  # noqa: E402
+from zerofix.check import reference, runner  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 EXACT = 1e-5  # relative error of one SGD update, GAS=4 against one micro-batch of 8 (float32 both)
 MEASURED = {"latest": {"gkd": 1.0, "reward": 1.0}, "2026-04": {"gkd": 1.0, "reward": 0.25}}
 
 
+def trainers():
+    """GKD and Reward, unpatched then patched, in one run (student and teacher made by the run, in the batch's
+    folder)."""
+    return [runner.Request(name="trl-trainers", module="zerofix.check.scenarios.trl_trainers", nproc=2, timeout=600,
+                           argv=("--student", "{root}/trl-trainers/student", "--teacher", "{root}/trl-trainers/teacher"),
+                           imports=("transformers.trainer", "trl"))]
+
+
 @pytest.mark.stack(*MEASURED)
-def test_trl_trainers_are_scaled_by_what_their_loss_does(tmp_path, stack):
+@uses(trainers)
+def test_trl_trainers_are_scaled_by_what_their_loss_does(ranks, stack):
     import torch
 
-    dirs = trl_trainers.make_dirs(tmp_path / "models")
-    records = launch.torchrun("zerofix.check.scenarios.trl_trainers",
-                              ["--student", str(dirs["student"]), "--teacher", str(dirs["teacher"])],
-                              nproc=2, out_dir=tmp_path / "out", timeout=600)
+    (request,) = trainers()
+    records = ranks.records(request)
     assert all("error" not in r for r in records), [r.get("traceback") for r in records]
-    out = tmp_path / "out"
+    out = ranks.folder(request)
     for name, unpatched_factor in MEASURED[stack].items():
         init = torch.load(out / f"{name}-init.pt")
         runs = {v: {r: torch.load(out / f"{name}-{v}-{r}.pt") for r in ("gas4", "whole")}

@@ -9,14 +9,13 @@ proof that these cells really exercise a partitioned head).
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
 
-from zerofix.check import launch  # noqa: E402
+from conftest import uses  # noqa: E402
+from zerofix.check import jobs  # noqa: E402
 from zerofix.check.scenarios import zero3_loss as scenario  # noqa: E402
 
 # DeepSpeed 0.19.8, 0.18.9 and 0.15.4: both ends of the range and the last release before GatheredParameters
@@ -57,37 +56,47 @@ def reference_updates(init: dict, snapshots: list[dict], c: dict, world: int) ->
     return errors
 
 
+def matrix():
+    return [jobs.zero3_loss_request(CELLS, nproc=2, timeout=300)]
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("zero3_loss")
-    (out / "cells.json").write_text(json.dumps(CELLS))
-    records = launch.torchrun("zerofix.check.scenarios.zero3_loss", ["--cells", str(out / "cells.json")],
-                              nproc=2, out_dir=out / "run", timeout=300)
-    init = torch.load(out / "run" / "init.pt")
-    return {c["name"]: (c, [r["cells"][c["name"]] for r in records], torch.load(out / "run" / f"{c['name']}.pt"),
-                        init) for c in CELLS}
+def run(ranks):
+    (request,) = matrix()
+    records, folder = ranks.records(request), ranks.folder(request)
+    init = torch.load(folder / "init.pt")
+    return {c["name"]: (c, [r["cells"][c["name"]] for r in records], torch.load(folder / f"{c['name']}.pt"), init)
+            for c in CELLS}
+
+
+SMOKE = [c for c in CELLS if c["name"] in ("zerofix-outside-untied-bias-empty1", "naive-outside-untied-bias")]
+
+
+def smoke():
+    return [jobs.zero3_loss_request(SMOKE, nproc=2, timeout=300)]
 
 
 @pytest.mark.smoke(subset_of_matrix=True)
-def test_smoke_the_chunked_loss_trains_a_partitioned_head_that_a_direct_read_crashes_on(tmp_path):
-    """The fast tier's ZeRO-3 smoke, one 2-rank launch of two cells of the matrix below: the same chunks
+@uses(smoke)
+def test_smoke_the_chunked_loss_trains_a_partitioned_head_that_a_direct_read_crashes_on(ranks):
+    """The fast tier's ZeRO-3 smoke, one run of two cells of the matrix below: the same chunks
     reading the partitioned head directly crash; zerofix.chunked_cross_entropy outside engine.forward, rank 1
     with fewer chunks, equals the float64 reference with one gather each way per pass."""
-    cells = [c for c in CELLS if c["name"] in ("zerofix-outside-untied-bias-empty1", "naive-outside-untied-bias")]
-    (tmp_path / "cells.json").write_text(json.dumps(cells))
-    records = launch.torchrun("zerofix.check.scenarios.zero3_loss", ["--cells", str(tmp_path / "cells.json")],
-                              nproc=2, out_dir=tmp_path / "run", timeout=300)
-    init = torch.load(tmp_path / "run" / "init.pt")
+    cells = SMOKE
+    (request,) = smoke()
+    records, folder = ranks.records(request), ranks.folder(request)
+    init = torch.load(folder / "init.pt")
     fixed, naive = cells if cells[0]["loss"] == "zerofix" else cells[::-1]
     assert all("size mismatch" in r["cells"][naive["name"]].get("error", "") for r in records)
     ranks = [r["cells"][fixed["name"]] for r in records]
     assert all("error" not in r for r in ranks), [r.get("error") for r in ranks]
-    errors = reference_updates(init, torch.load(tmp_path / "run" / f"{fixed['name']}.pt"), fixed, world=2)
+    errors = reference_updates(init, torch.load(folder / f"{fixed['name']}.pt"), fixed, world=2)
     assert max(errors) < EXACT, errors
     assert all(s["loss_forward"] == 1 and s["backward"] == 1 for r in ranks for s in r["gathers"])
 
 
 @pytest.mark.parametrize("c", [c for c in CELLS if c["loss"] == "zerofix"], ids=lambda c: c["name"])
+@uses(matrix)
 def test_update_equals_reference_and_head_gathered_at_most_once_per_pass(run, c):
     c, ranks, snapshots, init = run[c["name"]]
     assert all("error" not in r for r in ranks), [r.get("error") for r in ranks]
@@ -103,6 +112,7 @@ def test_update_equals_reference_and_head_gathered_at_most_once_per_pass(run, c)
             [r["gathers"] for r in ranks]
 
 
+@uses(matrix)
 def test_the_reference_check_can_fail(run):
     """A run's update compared with the wrong data (the other cell's batch) is far from the reference."""
     c, _, snapshots, init = run["zerofix-outside-untied-bias"]
@@ -111,12 +121,14 @@ def test_the_reference_check_can_fail(run):
 
 
 @pytest.mark.parametrize("name", ["naive-outside-untied-bias", "naive-submodule-tied-nobias"])
+@uses(matrix)
 def test_reading_the_partitioned_head_directly_crashes(run, name):
     _, ranks, _, _ = run[name]
     for r in ranks:
         assert "size mismatch" in r.get("error", ""), r.get("error")
 
 
+@uses(matrix)
 def test_deepspeeds_own_lm_head_gathers_the_same_number_of_times(run):
     _, ranks, snapshots, init = run["plain-outside-untied-bias"]
     c = run["plain-outside-untied-bias"][0]
@@ -124,6 +136,7 @@ def test_deepspeeds_own_lm_head_gathers_the_same_number_of_times(run):
     assert all(s["loss_forward"] == 1 and s["backward"] <= 1 for r in ranks for s in r["gathers"])
 
 
+@uses(matrix)
 def test_gathered_makes_a_partitioned_parameter_whole_once_and_releases_it(run):
     _, ranks, _, _ = run["zerofix-outside-untied-bias"]
     for r in ranks:

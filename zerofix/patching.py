@@ -297,6 +297,10 @@ def _disable(fix_id: str) -> None:
     for slot in reversed(_installed.pop(fix_id, [])):
         _remove_layer(slot, fix_id)
     applied.mark_removed(fix_id)
+    module = sys.modules.get(catalogue.by_id(fix_id).implementation)
+    reset = getattr(module, "reset_runtime", None)
+    if reset is not None and not any(applied.is_applied(other) for other in module.FIX_IDS):
+        reset()
 
 
 # ----------------------------------------------------------------------------- status

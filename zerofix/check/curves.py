@@ -9,7 +9,6 @@ the same initial weights in one process.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 STEPS = 20
@@ -54,17 +53,26 @@ def plot(results: list[dict], path, *, nproc: int, timeout: float, workdir=None)
 
 
 def run_curves(rows: list[dict], nproc: int, workdir: Path, timeout: float) -> list[dict]:
-    """{name, verdict, unpatched, patched, reference (lists of STEPS + 1 losses) or error} per row."""
-    from zerofix.check import jobs, launch, plan
+    """{name, verdict, unpatched, patched, reference (lists of STEPS + 1 losses) or error} per row; every job's run
+    in one batch."""
+    from zerofix.check import jobs, launch, plan, runner
 
     by_job: dict[str, list[dict]] = {}
     for row in rows:
         by_job.setdefault(row["job"], []).append(row)
-    curves = []
+    planned = {}
     for job_name, job_rows in by_job.items():
         ranks = 1 if plan.JOBS[job_name].ranks == "1" else nproc
+        planned[job_name] = (_deepspeed_curves if job_name == "deepspeed" else _gas_curves)(
+            job_name, job_rows, ranks, timeout, jobs)
+    batch = runner.Batch(workdir)
+    batch.add(*(request for request, _ in planned.values()))
+    batch.run()
+    curves = []
+    for job_name, (request, losses_of) in planned.items():
+        job_rows = by_job[job_name]
         try:
-            losses = _job_curves(job_name, job_rows, ranks, workdir / job_name, timeout, jobs)
+            losses = losses_of(batch.folder(request), batch.records(request))
         except launch.LaunchError as exc:
             losses = {r["name"]: {"error": exc.tail} for r in job_rows}
         except Exception as exc:  # noqa: BLE001 - drawn as that panel's failure; the other curves still count
@@ -73,19 +81,10 @@ def run_curves(rows: list[dict], nproc: int, workdir: Path, timeout: float) -> l
     return curves
 
 
-def _job_curves(job_name, rows, nproc, out_dir, timeout, jobs) -> dict:
-    if job_name == "deepspeed":
-        return _deepspeed_curves(rows, nproc, out_dir, timeout, jobs)
-    return _gas_curves(job_name, rows, nproc, out_dir, timeout, jobs)
-
-
-def _gas_curves(job_name, rows, nproc, out_dir, timeout, jobs) -> dict:
-    """Trainer and accelerate rows: one window of samples, STEPS epochs."""
-    import torch
-
-    from zerofix.check import parity, reference
-
-    from zerofix.check import plan
+def _gas_curves(job_name, rows, nproc, timeout, jobs):
+    """Trainer and accelerate rows: one window of samples, STEPS epochs. Returns (the request, its losses from
+    (folder, records))."""
+    from zerofix.check import parity, plan, reference
 
     trainer = job_name.startswith("trainer-")
     gas = jobs.TRAINER_GAS if trainer else jobs.ACCELERATE_GAS
@@ -93,57 +92,67 @@ def _gas_curves(job_name, rows, nproc, out_dir, timeout, jobs) -> dict:
     models_of = {r["name"]: jobs.model_of(r["name"]) for r in rows}
     cells = [{"name": m, "model": m, "gas": gas, "samples": gas * jobs.BATCH * nproc, "epochs": STEPS,
               "lr": CURVE_LR[m]} for m in dict.fromkeys(models_of.values())]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    launcher = parity.TRAINER_GAS if trainer else parity.ACCELERATE_LOOP
-    records = parity.launch_cells(launcher, out_dir, cells, nproc=nproc, zero_stage=stage, lr=jobs.LR,
-                                  zerofix="both", env=None, python=sys.executable, timeout=timeout)
-    out = {}
-    for name, model in models_of.items():
-        loss_mode = parity.LOSS_MODE[model] if trainer else "batch-mean"
-        cell_dir = out_dir / model
-        init = torch.load(cell_dir / "init.pt")
-        window = reference.windows_from_ranks(
-            [r for r in records if r["cell_dir"] == model and r["variant"] == "patched"])[0]
-        curve = {}
-        for variant in ("unpatched", "patched"):
-            states = [init] + [torch.load(cell_dir / variant / f"step{k}.pt") for k in range(1, STEPS + 1)]
-            curve[variant] = [reference.window_loss(model, s, window, loss_mode=loss_mode, ranks=nproc) for s in states]
-        state, ref = init, [reference.window_loss(model, init, window, loss_mode=loss_mode, ranks=nproc)]
-        for _ in range(STEPS):
-            state = reference.reference_state(model, state, [window], loss_mode=loss_mode,
-                                              optimizer_factory=reference.sgd(CURVE_LR[model]), ranks=nproc)
-            ref.append(reference.window_loss(model, state, window, loss_mode=loss_mode, ranks=nproc))
-        curve["reference"] = ref
-        out[name] = curve
-    return out
+    make = parity.trainer_request if trainer else parity.accelerate_request
+    request = make(cells, nproc=nproc, zero_stage=stage, lr=jobs.LR, timeout=timeout, name=f"curves-{job_name}")
+
+    def losses(out_dir, records):
+        import torch
+
+        out = {}
+        for name, model in models_of.items():
+            loss_mode = parity.LOSS_MODE[model] if trainer else "batch-mean"
+            cell_dir = out_dir / model
+            init = torch.load(cell_dir / "init.pt")
+            window = reference.windows_from_ranks(
+                [r for r in records if r["cell_dir"] == model and r["variant"] == "patched"])[0]
+            curve = {}
+            for variant in ("unpatched", "patched"):
+                states = [init] + [torch.load(cell_dir / variant / f"step{k}.pt") for k in range(1, STEPS + 1)]
+                curve[variant] = [reference.window_loss(model, s, window, loss_mode=loss_mode, ranks=nproc)
+                                  for s in states]
+            state, ref = init, [reference.window_loss(model, init, window, loss_mode=loss_mode, ranks=nproc)]
+            for _ in range(STEPS):
+                state = reference.reference_state(model, state, [window], loss_mode=loss_mode,
+                                                  optimizer_factory=reference.sgd(CURVE_LR[model]), ranks=nproc)
+                ref.append(reference.window_loss(model, state, window, loss_mode=loss_mode, ranks=nproc))
+            curve["reference"] = ref
+            out[name] = curve
+        return out
+
+    return request, losses
 
 
-def _deepspeed_curves(rows, nproc, out_dir, timeout, jobs) -> dict:
+def _deepspeed_curves(job_name, rows, nproc, timeout, jobs):
     """Raw DeepSpeed rows: the row's loop, STEPS windows, every window on the first window's samples."""
     from zerofix.check import accumulation, parity, reference
 
     cells = {r["name"]: jobs.ds_cell(r["name"])._replace(windows=STEPS, repeat=True) for r in rows}
-    runs = parity.ds_accumulation(out_dir, list(cells.values()), nproc=nproc, python=sys.executable, timeout=timeout)
-    out = {}
-    for name, cell in cells.items():
-        # Both loops' one update per window: the mean of the window's micro-batch means.
-        update = accumulation.updates(cell)[0][0]
+    request = parity.ds_request(list(cells.values()), nproc=nproc, timeout=timeout, name="curves-deepspeed")
 
-        def loss(state, update=update):
-            return reference.raw_update_loss(state, update, world=nproc)
+    def losses(out_dir, records):
+        runs = request.interpret(out_dir, records)
+        out = {}
+        for name, cell in cells.items():
+            # Both loops' one update per window: the mean of the window's micro-batch means.
+            update = accumulation.updates(cell)[0][0]
 
-        curve = {}
-        for variant in ("unpatched", "patched"):
-            errors = [e for e in runs[variant][cell.name]["errors"] if e]
-            if errors:
-                curve[variant] = None
-                continue
-            curve[variant] = [loss(s) for s in [runs["init"], *runs[variant][cell.name]["snapshots"]]]
-        states, _ = reference.reference_windows(runs["init"], accumulation.updates(cell), world=nproc,
-                                                optimizer_factory=reference.OPTIMIZERS[cell.optimizer])
-        curve["reference"] = [loss(s) for s in [runs["init"], *states]]
-        out[name] = curve
-    return out
+            def loss(state, update=update):
+                return reference.raw_update_loss(state, update, world=nproc)
+
+            curve = {}
+            for variant in ("unpatched", "patched"):
+                errors = [e for e in runs[variant][cell.name]["errors"] if e]
+                if errors:
+                    curve[variant] = None
+                    continue
+                curve[variant] = [loss(s) for s in [runs["init"], *runs[variant][cell.name]["snapshots"]]]
+            states, _ = reference.reference_windows(runs["init"], accumulation.updates(cell), world=nproc,
+                                                    optimizer_factory=reference.OPTIMIZERS[cell.optimizer])
+            curve["reference"] = [loss(s) for s in [runs["init"], *states]]
+            out[name] = curve
+        return out
+
+    return request, losses
 
 
 def draw(curves: list[dict], path) -> None:

@@ -1,19 +1,28 @@
-"""The jobs behind ``zerofix check``: each launches one real run (torchrun or accelerate launch, gloo, CPU) of
-its rows, unpatched then patched, and compares every update with the single-process float64 reference.
+"""The jobs behind ``zerofix check``: each plans the runs of its rows (``runner.Request``s, unpatched and patched)
+and reads their results into one outcome per row, comparing every update with the single-process float64
+reference. The command runs every job's requests in one batch (one session per number of ranks).
 
-``run(job, rows, nproc, out_dir, timeout)`` returns, per row name, ``{"unpatched": outcome, "patched": outcome,
-"applied": [fix ids]}``: an outcome is ``{"ratio", "cosine", "rel_err"}`` (the worst optimizer step of the
-run) or ``{"error": text}``; ``applied`` lists the row's catalogue fixes that the patched run applied.
+``plan(job, rows, nproc, timeout, workdir, user)`` returns a ``Planned``: its ``requests``, and ``results(batch)``,
+per row name ``{"unpatched": outcome, "patched": outcome, "applied": [fix ids]}``: an outcome is ``{"ratio",
+"cosine", "rel_err"}`` (the worst optimizer step of the run) or ``{"error": text}``; ``applied`` lists the row's
+catalogue fixes that the patched run applied. ``results`` raises a run's ``LaunchError`` where nothing could be
+measured (the row then fails with that run's own cause).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable, NamedTuple
 
-from zerofix.check import accumulation, launch, parity, reference
+from zerofix.check import accumulation, launch, parity, runner
 
 TRAINER_GAS, ACCELERATE_GAS, BATCH, WINDOWS = 8, 4, 2, 2
 LR = 5.0  # SGD: large, so the update dominates the fp32 rounding of weights near 1.0 (norms)
+
+
+class Planned(NamedTuple):
+    requests: list
+    results: Callable  # (runner.Batch) -> {row name: measured}
 
 
 def _outcome(comparison: dict) -> dict:
@@ -31,35 +40,50 @@ def model_of(name: str) -> str:
     return "causal-lm" if name.endswith("-causal-lm") else "custom"
 
 
-def trainer(job, rows, nproc, out_dir, timeout):
-    cells = [{"name": model_of(r.name), "model": model_of(r.name), "gas": TRAINER_GAS,
-              "samples": WINDOWS * TRAINER_GAS * BATCH * nproc} for r in rows]
-    results = parity.trainer_cells(out_dir, cells, nproc=nproc, zero_stage=job.zero_stage, lr=LR, timeout=timeout)
-    return {r.name: _variant_rows(results[model_of(r.name)], r.fixes) for r in rows}
+def trainer(job, rows, nproc, timeout, workdir, *, cells=None, zero_stage=None, ds_config=None):
+    cells = cells or [{"name": model_of(r.name), "model": model_of(r.name), "gas": TRAINER_GAS,
+                       "samples": WINDOWS * TRAINER_GAS * BATCH * nproc} for r in rows]
+    zero_stage = job.zero_stage if zero_stage is None else zero_stage
+    # One process without DeepSpeed: a request per cell, so that the ranks of the session that hosts them share them
+    by_cell = nproc == 1 and zero_stage is None
+    requests = [parity.trainer_request(part, nproc=nproc, zero_stage=zero_stage, lr=LR, timeout=timeout,
+                                       ds_config=ds_config, name=job.name)
+                for part in ([[c] for c in cells] if by_cell else [cells])]
+
+    def results(batch):
+        measured = {name: cell for request in requests for name, cell in batch.result(request).items()}
+        return {r.name: _variant_rows(measured[model_of(r.name)], r.fixes) for r in rows}
+
+    return Planned(requests, results)
 
 
-def accelerate(job, rows, nproc, out_dir, timeout, *, cells=None, zero_stage=None, ds_config=None):
+def accelerate(job, rows, nproc, timeout, workdir, *, cells=None, zero_stage=None, ds_config=None):
+    """The unpatched and the patched loops as two runs, the unpatched one late: it may crash by design (accelerate
+    1.3.0's no_sync under ZeRO-2/3), which then is that row's unpatched result."""
     cells = cells or [{"name": model_of(r.name), "model": model_of(r.name), "gas": ACCELERATE_GAS,
                        "samples": WINDOWS * ACCELERATE_GAS * BATCH * nproc} for r in rows]
     zero_stage = job.zero_stage if zero_stage is None else zero_stage
-    try:
-        results = parity.accelerate_cells(out_dir, cells, nproc=nproc, zero_stage=zero_stage, lr=LR,
-                                          timeout=timeout, ds_config=ds_config)
-    except launch.LaunchError as crash:
-        # The unpatched variant runs first in the same ranks: a crash there (accelerate 1.3.0's no_sync under
-        # ZeRO-2/3) would hide the patched run. Run it alone; if it crashes too, the row fails.
-        patched = parity.accelerate_cells(out_dir / "patched-only", cells, nproc=nproc, zero_stage=zero_stage,
-                                          lr=LR, zerofix="on", timeout=timeout, ds_config=ds_config)
-        return {r.name: {"unpatched": {"error": crash.tail},
-                         "patched": _outcome(patched[model_of(r.name)]["patched"]),
-                         "applied": _applied(patched[model_of(r.name)]["patched"]["rank_status"][0], r.fixes)}
+    variants = {v: parity.accelerate_request(cells, nproc=nproc, zero_stage=zero_stage, lr=LR, timeout=timeout,
+                                             ds_config=ds_config, zerofix=z, name=f"{job.name}-{v}",
+                                             late=v == "unpatched")
+                for v, z in (("patched", "on"), ("unpatched", "off"))}
+
+    def results(batch):
+        patched = batch.result(variants["patched"])
+        try:
+            unpatched = batch.result(variants["unpatched"])
+        except launch.LaunchError as crash:
+            unpatched = {name: {"unpatched": {"error": crash.tail}} for name in patched}
+        return {r.name: _variant_rows({**unpatched[model_of(r.name)], **patched[model_of(r.name)]}, r.fixes)
                 for r in rows}
-    return {r.name: _variant_rows(results[model_of(r.name)], r.fixes) for r in rows}
+
+    return Planned(list(variants.values()), results)
 
 
 def _variant_rows(result: dict, fixes) -> dict:
     patched = result["patched"]
-    return {"unpatched": _outcome(result["unpatched"]), "patched": _outcome(patched),
+    unpatched = result["unpatched"]
+    return {"unpatched": unpatched if "error" in unpatched else _outcome(unpatched), "patched": _outcome(patched),
             "applied": [f for f in _applied(patched["rank_status"][0], fixes) if _acted(patched, f)]}
 
 
@@ -82,25 +106,32 @@ def ds_cell(name: str) -> accumulation.Cell:
     return accumulation.Cell(stage, 4, "b", offload=offload)
 
 
-def deepspeed(job, rows, nproc, out_dir, timeout, *, cells=None, base_config=None):
+def deepspeed(job, rows, nproc, timeout, workdir, *, cells=None, base_config=None):
     cells = cells or [ds_cell(r.name) for r in rows]
-    runs = parity.ds_accumulation(out_dir, cells, nproc=nproc, timeout=timeout, base_config=base_config)
-    out = {}
-    for row, cell in zip(rows, cells, strict=True):
-        entry = {}
-        for variant in ("unpatched", "patched"):
-            run = runs[variant][cell.name]
-            errors = [e for e in run["errors"] if e]
-            entry[variant] = ({"error": errors[0]} if errors
-                              else _ds_outcome(runs["init"], run["snapshots"], cell, nproc))
-        runtime = runs["patched"][cell.name]["runtime"][0]
-        entry["applied"] = _applied(runtime["states"] if runtime else {}, row.fixes)
-        out[row.name] = entry
-    return out
+    request = parity.ds_request(cells, nproc=nproc, timeout=timeout, base_config=base_config, name=job.name)
+
+    def results(batch):
+        runs = batch.result(request)
+        out = {}
+        for row, cell in zip(rows, cells, strict=True):
+            entry = {}
+            for variant in ("unpatched", "patched"):
+                run = runs[variant][cell.name]
+                errors = [e for e in run["errors"] if e]
+                entry[variant] = ({"error": errors[0]} if errors
+                                  else _ds_outcome(runs["init"], run["snapshots"], cell, nproc))
+            runtime = runs["patched"][cell.name]["runtime"][0]
+            entry["applied"] = _applied(runtime["states"] if runtime else {}, row.fixes)
+            out[row.name] = entry
+        return out
+
+    return Planned([request], results)
 
 
 def _ds_outcome(init: dict, snapshots: list[dict], cell, world: int) -> dict:
     """The worst window, each compared from the weights the run had when it started."""
+    from zerofix.check import reference
+
     windows = accumulation.updates(cell)
     if len(snapshots) != len(windows):
         return {"error": f"{len(snapshots)} of {len(windows)} windows recorded"}
@@ -116,38 +147,50 @@ def _ds_outcome(init: dict, snapshots: list[dict], cell, world: int) -> dict:
 ZERO3_LOSS = "zerofix.check.scenarios.zero3_loss"
 
 
-def zero3_loss(job, rows, nproc, out_dir, timeout, *, tied: bool = False):
-    import torch
+def zero3_loss_request(cells, *, nproc: int, timeout: float = 600, name: str = "zero3-loss") -> runner.Request:
+    """The chunked-loss cells of ``zerofix.check.scenarios.zero3_loss`` in one run; its result: the ranks' records
+    (the snapshots and ``init.pt`` are in the request's folder)."""
+    return runner.Request(name=name, module=ZERO3_LOSS, argv=("--cells", "{out}/cells.json"), nproc=nproc,
+                          files=runner.files(**{"cells.json": list(cells)}), timeout=timeout, imports=("deepspeed",),
+                          interpret=lambda folder, records: records)
 
-    from zerofix.check.scenarios import zero3_loss as scenario
 
+def zero3_loss(job, rows, nproc, timeout, workdir, *, tied: bool = False):
     # a tied head (GPT-2, Qwen2) has no bias; the built-in rows' untied head has one
     cells = [{"name": r.name, "mode": r.name.rsplit("-", 1)[1], "tied": tied, "bias": not tied, "chunk_size": 3,
               "loss": "zerofix"} for r in rows]
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "cells.json").write_text(json.dumps(cells))
-    records = launch.torchrun(ZERO3_LOSS, ["--cells", str(out_dir / "cells.json")], nproc=nproc,
-                              out_dir=out_dir / "run", timeout=timeout)
-    init = torch.load(out_dir / "run" / "init.pt")
-    out = {}
-    for row, cell in zip(rows, cells, strict=True):
-        errors = [r["cells"][cell["name"]].get("error") for r in records if r["cells"][cell["name"]].get("error")]
-        if errors:
-            out[row.name] = {"unpatched": None, "patched": {"error": errors[0]}, "applied": []}
-            continue
-        comparisons, before = [], init
-        for step, after in enumerate(torch.load(out_dir / "run" / f"{cell['name']}.pt")):
-            start, ref = scenario.reference_step(before, step, cell, nproc)
-            comparisons.append(reference.compare(start, after, ref))
-            before = after
-        out[row.name] = {"unpatched": None, "applied": [],
-                         "patched": _outcome(max(comparisons, key=lambda c: c["rel_err"]))}
-    return out
+    request = zero3_loss_request(cells, nproc=nproc, timeout=timeout, name=job.name)
+
+    def results(batch):
+        import torch
+
+        from zerofix.check import reference
+        from zerofix.check.scenarios import zero3_loss as scenario
+
+        records = batch.records(request)
+        folder = batch.folder(request)
+        init = torch.load(folder / "init.pt")
+        out = {}
+        for row, cell in zip(rows, cells, strict=True):
+            errors = [r["cells"][cell["name"]].get("error") for r in records if r["cells"][cell["name"]].get("error")]
+            if errors:
+                out[row.name] = {"unpatched": None, "patched": {"error": errors[0]}, "applied": []}
+                continue
+            comparisons, before = [], init
+            for step, after in enumerate(torch.load(folder / f"{cell['name']}.pt")):
+                start, ref = scenario.reference_step(before, step, cell, nproc)
+                comparisons.append(reference.compare(start, after, ref))
+                before = after
+            out[row.name] = {"unpatched": None, "applied": [],
+                             "patched": _outcome(max(comparisons, key=lambda c: c["rel_err"]))}
+        return out
+
+    return Planned([request], results)
 
 
 TRL_SFT = "zerofix.check.scenarios.trl_sft"
 TRL_DISTILL = "zerofix.check.scenarios.trl_distill"
+TRL_GRPO = "zerofix.check.scenarios.trl_grpo"
 TRL_DS_CONFIG = {
     "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
@@ -155,134 +198,151 @@ TRL_DS_CONFIG = {
 }
 
 
-def trl_accelerate_config(out_dir: Path) -> dict:
-    """accelerate launch with DeepSpeed ZeRO-3 and zero3_init_flag: from_pretrained loads partitioned."""
-    ds_file = out_dir / "ds_zero3.json"
-    ds_file.write_text(json.dumps(TRL_DS_CONFIG))
+def trl_accelerate_config(ds_file) -> dict:
+    """accelerate launch with DeepSpeed ZeRO-3 (``TRL_DS_CONFIG`` in ``ds_file``) and zero3_init_flag: from_pretrained
+    loads partitioned."""
     return {"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED", "num_machines": 1,
             "machine_rank": 0, "rdzv_backend": "static", "same_network": True,
             "deepspeed_config": {"deepspeed_config_file": str(ds_file), "zero3_init_flag": True}}
 
 
-def trl_sft(job, rows, nproc, out_dir, timeout):
+def trl_request(module: str, name: str, args, *, nproc: int, timeout: float, late: bool = False,
+                bound=None) -> runner.Request:
+    """A TRL scenario run as ``accelerate launch`` with ``trl_accelerate_config`` runs it: with the variables that
+    launch sets for this run only (the session computes them with accelerate's own launcher code,
+    ``launch.accelerate_env``); the DeepSpeed config is a file of the run's folder."""
+    return runner.Request(name=name, module=module, argv=tuple(args), nproc=nproc, timeout=timeout, late=late,
+                          bound=bound, files=runner.files(**{"ds_zero3.json": TRL_DS_CONFIG}),
+                          accelerate=json.dumps(trl_accelerate_config("{out}/ds_zero3.json")),
+                          imports=("deepspeed", "transformers.trainer", "trl"))
+
+
+def trl_sft(job, rows, nproc, timeout, workdir):
     """SFTTrainer with loss_type="chunked_nll" unpatched and patched, against the same run whose loss is computed
     from the full logits (SFTTrainer's compute_loss_func): the outcome compares the train losses, grad norms and
     eval losses, step by step. TRL >= 1.6 computes every nll in chunks, so "nll" alone would compare TRL with itself."""
-    out_dir = Path(out_dir)
-    model_dir = _tiny_llama(out_dir)
-    config = trl_accelerate_config(out_dir)
+    model_dir = _tiny_llama(workdir)
 
-    def sft(name, loss_type, patched):
+    def sft(variant):
+        loss_type = "nll" if variant == "reference" else "chunked_nll"
         args = ["--model-dir", str(model_dir), "--path", "r1", "--loss-type", loss_type]
-        if loss_type == "nll":
-            args += ["--loss-fn", "full-logits"]
-        return launch.accelerate_launch(TRL_SFT, args + (["--zerofix"] if patched else []), config=config,
-                                        nproc=nproc, out_dir=out_dir / name, timeout=timeout)
+        args += ["--loss-fn", "full-logits"] if variant == "reference" else []
+        args += ["--zerofix"] if variant == "patched" else []
+        return trl_request(TRL_SFT, f"{job.name}-{variant}", args, nproc=nproc, timeout=timeout,
+                           late=variant == "unpatched")
 
-    ref = sft("nll", "nll", False)
-    if any("error" in r for r in ref):
-        raise launch.LaunchError("the nll reference run failed", tail=_first_error(ref))
-    got = {variant: sft(variant, "chunked_nll", variant == "patched") for variant in ("unpatched", "patched")}
-    row = rows[0]
-    return {row.name: {"unpatched": trl_outcome(got["unpatched"], ref), "patched": trl_outcome(got["patched"], ref),
-                       "applied": _applied(got["patched"][0]["status"], row.fixes)}}
+    runs = {v: sft(v) for v in ("reference", "patched", "unpatched")}
+
+    def results(batch):
+        ref = batch.records(runs["reference"])
+        if any("error" in r for r in ref):
+            raise launch.LaunchError("the nll reference run failed", tail=_first_error(ref))
+        got = {v: batch.records(runs[v]) for v in ("unpatched", "patched")}
+        row = rows[0]
+        return {row.name: {"unpatched": trl_outcome(got["unpatched"], ref), "patched": trl_outcome(got["patched"], ref),
+                           "applied": _applied(got["patched"][0]["status"], row.fixes)}}
+
+    return Planned(list(runs.values()), results)
 
 
-def trl_sft_uneven(job, rows, nproc, out_dir, timeout):
+def trl_sft_uneven(job, rows, nproc, timeout, workdir):
     """SFTTrainer, assistant-only masking that gives rank 0 one chunk and rank 1 three, TRL's chunked loss in a
     compute_loss that runs the decoder first (the scenario's ``r4``), against the same run with the full logits.
     The unpatched run hangs on TRL 1.6 - 1.14 (``_uneven_row``)."""
-    out_dir = Path(out_dir)
-    model_dir = _tiny_llama(out_dir)
-    config = trl_accelerate_config(out_dir)
+    model_dir = _tiny_llama(workdir)
 
-    def sft(variant, limit):
+    def sft(variant, **kw):
         loss_type = "nll" if variant == "reference" else "chunked_nll"
         args = ["--model-dir", str(model_dir), "--path", "r4", "--loss-type", loss_type]
-        return launch.accelerate_launch(TRL_SFT, args + (["--zerofix"] if variant == "patched" else []),
-                                        config=config, nproc=nproc, out_dir=out_dir / variant, timeout=limit)
+        args += ["--zerofix"] if variant == "patched" else []
+        return trl_request(TRL_SFT, f"{job.name}-{variant}", args, nproc=nproc, timeout=timeout, **kw)
 
-    return _uneven_row(rows[0], sft, timeout, "the full-logits reference run failed")
+    return _uneven_row(rows[0], sft, "the full-logits reference run failed")
 
 
-def trl_distill_uneven(job, rows, nproc, out_dir, timeout):
+def trl_distill_uneven(job, rows, nproc, timeout, workdir):
     """DistillationTrainer's own step, completions of different lengths on the ranks, 4 rows per chunk, against the
     same run with one chunk per rank (the full logits of the counted tokens). The unpatched run's collectives stop
     matching: gloo aborts, NCCL would hang (``_uneven_row``)."""
     from zerofix.check.scenarios import trl_distill as scenario
 
-    out_dir = Path(out_dir)
-    _quiet_dir(out_dir)
-    student, teacher = scenario.make_models(out_dir / "models")
-    config = trl_accelerate_config(out_dir)
+    student, teacher = workdir / "distill-models" / "student", workdir / "distill-models" / "teacher"  # the ranks make them
 
-    def distill(variant, limit):
+    def distill(variant, **kw):
         chunk = scenario.WHOLE if variant == "reference" else scenario.CHUNK
         args = ["--student", str(student), "--teacher", str(teacher), "--chunk", str(chunk)]
-        return launch.accelerate_launch(TRL_DISTILL, args + (["--zerofix"] if variant == "patched" else []),
-                                        config=config, nproc=nproc, out_dir=out_dir / variant, timeout=limit)
+        args += ["--zerofix"] if variant == "patched" else []
+        return trl_request(TRL_DISTILL, f"{job.name}-{variant}", args, nproc=nproc, timeout=timeout, **kw)
 
-    return _uneven_row(rows[0], distill, timeout, "the one-chunk reference run failed")
-
-
-def _uneven_row(row, run, timeout, reference_failed):
-    """A row whose unpatched run may never finish: ``run(variant, limit)`` for "reference", "patched" (first) and
-    "unpatched", which gets three times the patched run's time (at least 30 s). A hang (then every rank is
-    killed) or gloo's abort on mismatched collectives is the unpatched result, said as such."""
-    import time
-
-    ref = run("reference", timeout)
-    if any("error" in r for r in ref):
-        raise launch.LaunchError(reference_failed, tail=_first_error(ref))
-    began = time.monotonic()
-    patched = run("patched", timeout)
-    bound = max(30.0, 3 * (time.monotonic() - began))
-    try:
-        unpatched = trl_outcome(run("unpatched", bound), ref)
-    except launch.LaunchError as exc:
-        if "timed out" in str(exc):
-            unpatched = {"error": f"hung: no result in {bound:.0f} s (3 x the patched run); the ranks were killed"}
-        elif "collective mismatch" in f"{exc}\n{exc.tail}":
-            unpatched = {"error": "crash: the ranks' collectives did not match (gloo aborted; NCCL would hang)"}
-        else:
-            raise
-    return {row.name: {"unpatched": unpatched, "patched": trl_outcome(patched, ref),
-                       "applied": _applied(patched[0]["status"], row.fixes)}}
+    return _uneven_row(rows[0], distill, "the one-chunk reference run failed")
 
 
-def trl_grpo(job, rows, nproc, out_dir, timeout):
+def _uneven_row(row, request_of, reference_failed) -> Planned:
+    """A row whose unpatched run may never finish: ``request_of(variant, **kw)`` for "reference", "patched" and
+    "unpatched", which runs last with a limit of three times the patched run's time (at least 30 s). A hang (then
+    every rank is killed) or gloo's abort on mismatched collectives is the unpatched result, said as such."""
+    ref, patched = request_of("reference"), request_of("patched")
+    unpatched = request_of("unpatched", late=True, bound=(patched, 3, 30.0))
+
+    def results(batch):
+        ref_records = batch.records(ref)
+        if any("error" in r for r in ref_records):
+            raise launch.LaunchError(reference_failed, tail=_first_error(ref_records))
+        patched_records = batch.records(patched)
+        try:
+            got = trl_outcome(batch.records(unpatched), ref_records)
+        except launch.LaunchError as exc:
+            if "timed out" in str(exc):
+                limit = max(30.0, 3 * batch.outcome(patched).seconds)
+                got = {"error": f"hung: no result in {limit:.0f} s (3 x the patched run); the ranks were killed"}
+            elif "collective mismatch" in f"{exc}\n{exc.tail}":
+                got = {"error": "crash: the ranks' collectives did not match (gloo aborted; NCCL would hang)"}
+            else:
+                raise
+        return {row.name: {"unpatched": got, "patched": trl_outcome(patched_records, ref_records),
+                           "applied": _applied(patched_records[0]["status"], row.fixes)}}
+
+    return Planned([ref, patched, unpatched], results)
+
+
+def trl_grpo(job, rows, nproc, timeout, workdir):
     """GRPOTrainer, one SGD step per row from the same weights, unpatched and patched, against the update
     computed by hand in float64 from the inputs every micro-step received (scenario ``trl_grpo``)."""
-    from zerofix.check.scenarios import trl_grpo as scenario
-
-    out_dir = Path(out_dir)
-    model_dir = _tiny_llama(out_dir)
+    model_dir = _tiny_llama(workdir)
     cases = {r.name: GRPO_CASES[r.name] for r in rows}
-    results = {r.name: {} for r in rows}
-    status = {}
-    for variant in ("unpatched", "patched"):
-        args = ["--model-dir", str(model_dir), "--cases", json.dumps(list(cases.values()))]
-        out = out_dir / variant
-        records = launch.torchrun("zerofix.check.scenarios.trl_grpo", args + (["--zerofix"] if variant == "patched"
-                                  else []), nproc=nproc, out_dir=out, timeout=timeout)
-        status[variant] = records[0]["status"]
-        if variant == "patched":
-            patched_records = records
+    args = ["--model-dir", str(model_dir), "--cases", json.dumps(list(cases.values()))]
+    variants = {v: runner.Request(name=f"{job.name}-{v}", module=TRL_GRPO, nproc=nproc, timeout=timeout,
+                                  argv=tuple(args + (["--zerofix"] if v == "patched" else [])),
+                                  late=v == "unpatched", imports=("transformers.trainer", "trl"))
+                for v in ("patched", "unpatched")}
+
+    def results(batch):
+        from zerofix.check import reference
+        from zerofix.check.scenarios import trl_grpo as scenario
+
+        out = {r.name: {} for r in rows}
+        status = {}
+        for variant, request in variants.items():
+            records = batch.records(request)
+            status[variant] = records[0]["status"]
+            for row_name, case in cases.items():
+                name = scenario.case_name(case)
+                failed = next((r["cases"][name]["error"] for r in records if "error" in r["cases"][name]), None)
+                if failed:
+                    out[row_name][variant] = {"error": failed}
+                    continue
+                res = scenario.reference_update(model_dir, sorted(batch.folder(request).glob(f"{name}-rank*.pt")))
+                out[row_name][variant] = _outcome(reference.compare_updates(res["got"], res["ref"]))
+        patched_records = batch.records(variants["patched"])
+        acted = {}  # the Trainer scaling names itself only where it changed a backward of the row's trainer
         for row_name, case in cases.items():
-            name = scenario.case_name(case)
-            failed = next((r["cases"][name]["error"] for r in records if "error" in r["cases"][name]), None)
-            if failed:
-                results[row_name][variant] = {"error": failed}
-                continue
-            res = scenario.reference_update(model_dir, sorted(out.glob(f"{name}-rank*.pt")))
-            results[row_name][variant] = _outcome(reference.compare_updates(res["got"], res["ref"]))
-    acted = {}  # the Trainer scaling names itself only where it changed a backward of the row's trainer
-    for row_name, case in cases.items():
-        details = [r["cases"][scenario.case_name(case)].get("scaling") for r in patched_records]
-        acted[row_name] = any(d and d.get("corrected") for d in details)
-    return {r.name: {**results[r.name], "applied": [f for f in _applied(status["patched"], r.fixes)
+            details = [r["cases"][scenario.case_name(case)].get("scaling") for r in patched_records]
+            acted[row_name] = any(d and d.get("corrected") for d in details)
+        return {r.name: {**out[r.name], "applied": [f for f in _applied(status["patched"], r.fixes)
                                                     if f != "transformers-trainer-scaling" or acted[r.name]]}
-            for r in rows}
+                for r in rows}
+
+    return Planned(list(variants.values()), results)
 
 
 # zerofix check's GRPO rows: steps_per_generation above and below GAS (generation batches divisible by
@@ -293,21 +353,10 @@ GRPO_CASES = {
 }
 
 
-def _tiny_llama(out_dir: Path) -> Path:
-    """The TRL jobs' tiny Llama and tokenizer, saved under ``out_dir`` (which is created)."""
-    from zerofix.check.scenarios import trl_sft as scenario
-
-    _quiet_dir(out_dir)
-    return scenario.make_model_dir(out_dir / "tiny-llama")
-
-
-def _quiet_dir(out_dir: Path) -> None:
-    """Create a TRL job's folder; models are saved there without save_pretrained's progress bar, which would
-    break check's own."""
-    from transformers.utils import logging as hf_logging
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf_logging.disable_progress_bar()
+def _tiny_llama(workdir: Path) -> Path:
+    """The folder of the TRL jobs' tiny Llama and tokenizer, which the first run that needs it makes
+    (``scenarios.trl_sft.ensure``)."""
+    return workdir / "tiny-llama"
 
 
 def _first_error(records) -> str:
@@ -332,7 +381,8 @@ def trl_outcome(records: list[dict], ref: list[dict]) -> dict:
 
 # ------------------------------------------------------------------ a user's configuration (--deepspeed)
 # ``user``: {"config": userconfig.UserConfig, "model": the causal LM's kind ("causal-lm" or "hf:<file>"),
-# "tied": whether that model ties its head, "average_tokens": TrainingArguments.average_tokens_across_devices}
+# "tied": whether that model ties its head, "average_tokens": TrainingArguments.average_tokens_across_devices (None:
+# the installed release's default)}
 
 
 def _user_model(row_name: str, user: dict) -> str:
@@ -346,21 +396,19 @@ def _user_model(row_name: str, user: dict) -> str:
     return "custom"
 
 
-def your_trainer(job, rows, nproc, out_dir, timeout, user):
+def your_trainer(job, rows, nproc, timeout, workdir, user):
     cfg = user["config"]
     cells = [{"name": model_of(r.name), "model": _user_model(r.name, user), "gas": cfg.gas, "bs": cfg.micro_batch,
               "samples": WINDOWS * cfg.gas * cfg.micro_batch * nproc, "clip": cfg.clip, "bf16": cfg.dtype == "bf16",
               "average_tokens": user["average_tokens"]} for r in rows]
-    results = parity.trainer_cells(out_dir, cells, nproc=nproc, zero_stage=cfg.stage, lr=LR, timeout=timeout,
-                                   ds_config=cfg.ds)
-    return {r.name: _variant_rows(results[model_of(r.name)], r.fixes) for r in rows}
+    return trainer(job, rows, nproc, timeout, workdir, cells=cells, zero_stage=cfg.stage, ds_config=cfg.ds)
 
 
-def your_accelerate(job, rows, nproc, out_dir, timeout, user):
+def your_accelerate(job, rows, nproc, timeout, workdir, user):
     cfg = user["config"]
     cells = [{"name": model_of(r.name), "model": _user_model(r.name, user), "gas": cfg.gas, "clip": cfg.clip,
               "samples": WINDOWS * cfg.gas * BATCH * nproc} for r in rows]
-    return accelerate(job, rows, nproc, out_dir, timeout, cells=cells, zero_stage=cfg.stage, ds_config=cfg.ds)
+    return accelerate(job, rows, nproc, timeout, workdir, cells=cells, zero_stage=cfg.stage, ds_config=cfg.ds)
 
 
 def user_ds_cell(name: str, cfg) -> accumulation.Cell:
@@ -372,27 +420,27 @@ def user_ds_cell(name: str, cfg) -> accumulation.Cell:
     return accumulation.Cell(cfg.stage, cfg.gas, "b", length=cfg.gas, **common)
 
 
-def your_deepspeed(job, rows, nproc, out_dir, timeout, user):
+def your_deepspeed(job, rows, nproc, timeout, workdir, user):
     cells = [user_ds_cell(r.name, user["config"]) for r in rows]
-    return deepspeed(job, rows, nproc, out_dir, timeout, cells=cells, base_config=user["config"].ds)
+    return deepspeed(job, rows, nproc, timeout, workdir, cells=cells, base_config=user["config"].ds)
 
 
-def your_zero3_loss(job, rows, nproc, out_dir, timeout, user):
-    return zero3_loss(job, rows, nproc, out_dir, timeout, tied=user["tied"])
+def your_zero3_loss(job, rows, nproc, timeout, workdir, user):
+    return zero3_loss(job, rows, nproc, timeout, workdir, tied=user["tied"])
 
 
-RUNNERS = {"deepspeed": deepspeed, "zero3-loss": zero3_loss, "trl-sft": trl_sft, "trl-sft-uneven": trl_sft_uneven,
-           "trl-distill-uneven": trl_distill_uneven, "trl-grpo": trl_grpo}
-USER_RUNNERS = {"your-trainer": your_trainer, "your-accelerate": your_accelerate, "your-deepspeed": your_deepspeed,
-                "your-zero3-loss": your_zero3_loss}
+PLANNERS = {"deepspeed": deepspeed, "zero3-loss": zero3_loss, "trl-sft": trl_sft, "trl-sft-uneven": trl_sft_uneven,
+            "trl-distill-uneven": trl_distill_uneven, "trl-grpo": trl_grpo}
+USER_PLANNERS = {"your-trainer": your_trainer, "your-accelerate": your_accelerate, "your-deepspeed": your_deepspeed,
+                 "your-zero3-loss": your_zero3_loss}
 
 
-def runner(job):
-    """The function that runs a job: by name, or by family (trainer-*, accelerate-*)."""
-    return RUNNERS.get(job.name) or {"trainer": trainer, "accelerate": accelerate}[job.name.split("-", 1)[0]]
+def planner(job):
+    """The function that plans a job: by name, or by family (trainer-*, accelerate-*)."""
+    return PLANNERS.get(job.name) or {"trainer": trainer, "accelerate": accelerate}[job.name.split("-", 1)[0]]
 
 
-def run(job, rows, nproc: int, out_dir, timeout: float, user: dict | None = None) -> dict:
-    if job.name in USER_RUNNERS:
-        return USER_RUNNERS[job.name](job, rows, nproc, Path(out_dir), timeout, user)
-    return runner(job)(job, rows, nproc, Path(out_dir), timeout)
+def plan(job, rows, nproc: int, timeout: float, workdir: Path, user: dict | None = None) -> Planned:
+    if job.name in USER_PLANNERS:
+        return USER_PLANNERS[job.name](job, rows, nproc, timeout, Path(workdir), user)
+    return planner(job)(job, rows, nproc, timeout, Path(workdir))

@@ -1,4 +1,6 @@
-"""Run a scenario under ``torchrun`` (gloo, CPU) in a subprocess and collect each rank's JSON."""
+"""Run scenarios under ``torchrun`` (gloo, CPU) in a subprocess and collect each rank's JSON: many runs in one set
+of ranks (``run_session``), or one launch of a scenario on its own (``torchrun``, ``accelerate_launch``: activation
+at start-up, a launcher in front of the interpreter)."""
 from __future__ import annotations
 
 import json
@@ -7,6 +9,8 @@ import re
 import signal
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -58,6 +62,280 @@ def accelerate_launch(module: str, args: list[str], *, config: dict, nproc: int,
     cmd = [python, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
            "--num_processes", str(nproc), "-m", module, *args, "--out", str(out_dir)]
     return _launch(cmd, module, nproc=nproc, out_dir=out_dir, timeout=timeout, env=env)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One scenario run of a session: what ``python -m <module> <argv> --out <out>`` would do in a launch of its
+    own. ``env``: variables set for this run only; ``accelerate``: an accelerate config (JSON) whose launch variables
+    the run gets too (``accelerate_env``, computed in the ranks); ``rank``: a run of one process, run by that rank
+    before the session's process group exists (``zerofix.check.session``); ``timeout``: seconds from the run's
+    start; ``bound``: ``(run id, factor, minimum)``, a limit of ``factor`` times that earlier run's
+    seconds (at least ``minimum``), for a run that may hang by design (its unpatched half)."""
+
+    id: str
+    module: str
+    argv: tuple = ()
+    out: Path = field(default=Path("."), compare=False)
+    env: tuple = ()
+    accelerate: str | None = None
+    timeout: float = 600
+    bound: tuple | None = None
+    rank: int | None = None
+
+
+@dataclass
+class Outcome:
+    """A run's result: the ranks' records, or the error of a run that crashed, hung or never started."""
+
+    records: list | None = None
+    error: LaunchError | None = None
+    seconds: float | None = None
+
+    def get(self) -> list[dict]:
+        if self.error is not None:
+            raise self.error
+        return self.records
+
+
+SESSION = "zerofix.check.session"
+_START = "[zerofix session] start "
+
+
+def run_session(runs, *, nproc: int, session_dir: Path, env: dict | None = None, python: str = sys.executable,
+                imports=(), poll: float = 0.1, on_start=None, on_end=None) -> dict[str, Outcome]:
+    """Run ``runs`` in order on one set of ``nproc`` ranks (``zerofix.check.session``); {run id: Outcome}.
+
+    A run that hangs past its limit (every rank is killed) or crashes fails alone, with its own cause (the failing
+    rank's traceback from the session's output since that run started); a fresh session runs the runs after it.
+    ``imports``: modules the session imports before its first run (then frozen out of the garbage collector's
+    way). ``on_start(run)`` and ``on_end(run, outcome)`` are called as runs start and end (whatever their outcome)."""
+    session_dir = Path(session_dir)
+    session_dir.mkdir(parents=True, exist_ok=True)
+    if len({r.id for r in runs}) != len(runs):
+        raise ValueError("two runs of one session share an id")
+    outcomes: dict[str, Outcome] = {}
+
+    def ended(run, outcome):
+        outcomes[run.id] = outcome
+        if on_end:
+            on_end(run, outcome)
+
+    pending, attempt = list(runs), 0
+    while pending:
+        folder = session_dir / f"launch{attempt}"
+        folder.mkdir(parents=True, exist_ok=True)
+        attempt += 1
+        for run in pending:
+            Path(run.out).mkdir(parents=True, exist_ok=True)
+        plan = {"imports": list(imports), "runs": [
+            {"id": r.id, "module": r.module, "argv": [*r.argv, "--out", str(r.out)], "env": dict(r.env),
+             "accelerate": json.loads(r.accelerate) if r.accelerate else None, "rank": r.rank} for r in pending]}
+        (folder / "plan.json").write_text(json.dumps(plan, indent=1))
+        cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               "-m", SESSION, "--plan", str(folder / "plan.json"), "--dir", str(folder)]
+        finished, failed, error = _watch(cmd, pending, outcomes, ended, nproc=nproc, folder=folder, env=env,
+                                         poll=poll, on_start=on_start)
+        if error is None and len(finished) == len(pending):
+            break
+        left = [i for i in range(len(pending)) if i not in finished]
+        if error is None:  # ended well without running everything: never expected
+            failed, error = left[0], LaunchError(f"the session ended after {len(finished)} of {len(pending)} runs")
+        if not any(_started(folder, i) for i in left):
+            # nothing ran (the session itself failed): the same cause for every run left, no endless relaunch
+            for i in left:
+                ended(pending[i], Outcome(error=error))
+            break
+        ended(pending[failed], Outcome(error=error))
+        pending = [pending[i] for i in left if i != failed]  # a fresh session for the others (unfinished ones again)
+    return outcomes
+
+
+def _watch(cmd, pending, outcomes, ended, *, nproc, folder, env, poll, on_start):
+    """Run one session until it ends or a run passes its limit; ``ended(run, outcome)`` for each run all of its ranks
+    finished. Returns (indices finished, the index of the run that failed or None, its error or None)."""
+    log = folder / "session.log"
+    ranks_of = [{r.rank} if r.rank is not None else set(range(nproc)) for r in pending]
+    finished, announced = set(), set()
+    with open(log, "w") as out:
+        try:
+            proc = subprocess.Popen(cmd, env=scenario_env({"LOCAL_SIZE": str(nproc), **(env or {})}), stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as exc:
+            return finished, None, LaunchError(f"could not start {cmd[0]}: {exc}")
+        try:
+            while True:
+                code = proc.poll()
+                starts, dones = _progress(folder, nproc)
+                for index, run in enumerate(pending):
+                    if index in starts and index not in announced:
+                        announced.add(index)
+                        if on_start:
+                            on_start(run)
+                    if index not in finished and ranks_of[index] <= set(dones.get(index, ())):
+                        finished.add(index)
+                        seconds = max(dones[index].values()) - min(starts[index].values())
+                        ended(run, Outcome(records=_records(run.out), seconds=seconds))
+                for index, run in enumerate(pending):
+                    # a run's clock starts once all of its ranks are in it (a rank still in its share of the
+                    # one-process runs has not started the session's first collective run yet)
+                    if index in finished or not ranks_of[index] <= set(starts.get(index, ())):
+                        continue
+                    limit = _limit(run, outcomes)
+                    if time.time() - max(starts[index].values()) > limit:
+                        kill_tree(proc.pid)
+                        proc.wait()
+                        text = _since_start(log, run.id)
+                        return finished, index, LaunchError(
+                            f"{run.module} timed out after {limit:.0f}s on {nproc} rank(s)\n{text[-6000:]}",
+                            tail=f"timed out after {limit:.0f} s; last lines:\n" + failing_rank_tail(text)
+                            + f"\nfull log: {log}")
+                if code is not None:
+                    break
+                time.sleep(poll)
+        except KeyboardInterrupt:  # Ctrl-C of zerofix check: its own session would keep the ranks running
+            kill_tree(proc.pid)
+            raise
+    if code == 0:
+        return finished, None, None
+    left = [i for i in range(len(pending)) if i not in finished]
+    failed = _failed_index(folder, left)
+    if failed is None:
+        return finished, left[0] if left else None, LaunchError(
+            f"{SESSION} failed on {nproc} rank(s) (exit {code}); last lines of the ranks' output:\n"
+            + "\n".join(log.read_text(errors="replace").splitlines()[-60:]))
+    text = _since_start(log, pending[failed].id)
+    first = _first_error(folder)
+    tail = (f"rank {first[0]}:\n" + (real_cause(first[1]) or "\n".join(first[1].splitlines()[-12:])) if first
+            else failing_rank_tail(text))
+    return finished, failed, LaunchError(
+        f"{pending[failed].module} failed on {nproc} rank(s) (exit {code}); last lines of the ranks' output:\n"
+        + "\n".join(text.splitlines()[-60:]), tail=tail + f"\nfull log: {log}")
+
+
+def _errors(folder: Path) -> list[tuple[float, int, dict]]:
+    """The ranks' error files (the session writes one for an exception no run recorded): (when, rank, content),
+    oldest first."""
+    found = []
+    for path in folder.glob("error.rank*"):
+        try:
+            found.append((path.stat().st_mtime, int(path.name[len("error.rank"):]), json.loads(path.read_text())))
+        except (OSError, ValueError):
+            continue
+    return sorted(found, key=lambda e: (e[0], e[1]))
+
+
+def _first_error(folder: Path) -> tuple[int, str] | None:
+    """(rank, traceback) of the first exception: the cause; a peer's later one is usually its consequence (the
+    collective it waited in broke)."""
+    errors = _errors(folder)
+    return (errors[0][1], errors[0][2].get("traceback", "")) if errors else None
+
+
+def _failed_index(folder: Path, left: list[int]) -> int | None:
+    """The run a failed session failed in: the one the first error file names, else the first unfinished run that
+    started; None when no run had started."""
+    errors = _errors(folder)
+    if errors and "index" in errors[0][2]:
+        return errors[0][2]["index"]
+    return next((i for i in left if _started(folder, i)), None)
+
+
+def _progress(folder: Path, nproc: int) -> tuple[dict, dict]:
+    """({run index: {rank: start time}}, {run index: {rank: done time}}) from the ranks' progress files."""
+    starts, dones = {}, {}
+    for rank in range(nproc):
+        path = folder / f"progress.rank{rank}"
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            fields = line.split()
+            if len(fields) != 4 or fields[0] == "ready":  # a line being written, or the ranks' start-up
+                continue
+            event, index, when = fields[0], int(fields[1]), float(fields[2])
+            (starts if event == "start" else dones).setdefault(index, {})[rank] = when
+    return starts, dones
+
+
+def timings(session_dir: Path) -> dict:
+    """Where a session's time went, from its progress files (every launch of it): per rank, the seconds and CPU
+    seconds from the launch to the ranks' libraries imported (``ready``: the launcher and the imports), and per
+    run index the seconds and CPU seconds each rank spent in it."""
+    out = {"launches": []}
+    for folder in sorted(Path(session_dir).glob("launch*")):
+        began = (folder / "plan.json").stat().st_mtime
+        ranks = []
+        for path in sorted(folder.glob("progress.rank*")):
+            rows = [line.split() for line in path.read_text().splitlines() if len(line.split()) == 4]
+            ready = next(((float(r[2]), float(r[3])) for r in rows if r[0] == "ready"), None)
+            runs, opened = {}, {}
+            for event, index, wall, cpu in rows:
+                if event == "start":
+                    opened[index] = (float(wall), float(cpu))
+                elif event == "done" and index in opened:
+                    runs[int(index)] = (float(wall) - opened[index][0], float(cpu) - opened[index][1])
+            ranks.append({"ready": ready and (ready[0] - began, ready[1]), "runs": runs})
+        out["launches"].append({"folder": str(folder), "ranks": ranks})
+    return out
+
+
+def _started(folder: Path, index: int) -> bool:
+    return any(f"start {index} " in p.read_text() for p in folder.glob("progress.rank*"))
+
+
+def _limit(run: Run, outcomes: dict) -> float:
+    if run.bound:
+        other, factor, minimum = run.bound
+        seconds = outcomes.get(other) and outcomes[other].seconds
+        if seconds:
+            return max(minimum, factor * seconds)
+    return run.timeout
+
+
+def _since_start(log: Path, run_id: str) -> str:
+    """The session's output from the run's start marker on (the launcher's own footer included)."""
+    text = log.read_text(errors="replace")
+    at = text.find(_START + run_id + "\n")
+    return text[at:] if at >= 0 else text
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(Path(out).glob("**/rank*.json"))]
+
+
+_ACCELERATE_ENV: dict = {}
+
+
+def accelerate_env(config: dict, *, nproc: int) -> dict:
+    """The variables ``accelerate launch --config_file <config>`` sets for its ranks (DeepSpeed: which config, ZeRO-3
+    init, mixed precision), computed by accelerate's own launcher code, so that a run of a session trains as it would
+    under that launch. The launcher's own (PYTHONPATH, the port) are left out: a session's ranks exist already."""
+    key = json.dumps([config, nproc], sort_keys=True)
+    if key not in _ACCELERATE_ENV:
+        import tempfile
+
+        import accelerate.commands.launch as accelerate_launcher
+
+        if config.get("distributed_type") != "DEEPSPEED":
+            raise ValueError("accelerate_env knows accelerate launch's DeepSpeed launcher only")
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
+            json.dump(config, file)
+        captured = {}
+        # accelerate's own launch_command, up to the point where its DeepSpeed launcher would start torchrun
+        original = accelerate_launcher.deepspeed_launcher
+        accelerate_launcher.deepspeed_launcher = lambda args: captured.update(
+            accelerate_launcher.prepare_deepspeed_cmd_env(args)[1])
+        try:
+            args = accelerate_launcher.launch_command_parser().parse_args(
+                ["--config_file", file.name, "--num_processes", str(nproc), "--main_process_port", "0", "-m", "zerofix"])
+            accelerate_launcher.launch_command(args)
+        finally:
+            accelerate_launcher.deepspeed_launcher = original
+            os.unlink(file.name)
+        env = captured
+        _ACCELERATE_ENV[key] = {k: v for k, v in env.items()
+                                if os.environ.get(k) != v and k not in ("PYTHONPATH", "MASTER_PORT", "MASTER_ADDR")}
+    return dict(_ACCELERATE_ENV[key])
 
 
 def _launch(cmd, module, *, nproc, out_dir, timeout, env):

@@ -1,12 +1,15 @@
-"""The scenarios of ``zerofix check``, as data: what each row trains, which job runs it, and which catalogue
-entries concern it. Rows of one job run in one launch (one interpreter start per rank, unpatched then
-patched in the same processes), which is what keeps the default run within minutes."""
+"""The plan of ``zerofix check``: its scenarios as data (what each row trains, which job runs it, which catalogue
+entries concern it), the rows a run selects, the reason each row that cannot run is skipped, and a user's own
+configuration (``--deepspeed``) turned into rows. ``make`` returns the ``Plan`` that ``zerofix.check.measure`` runs:
+every row of every job in one batch (one session of ranks per rank count)."""
 from __future__ import annotations
 
 import fnmatch
+from pathlib import Path
 from typing import NamedTuple
 
 from zerofix.check.accumulation import BF16_BOUND
+from zerofix.versions import installed_version, version_in_range
 
 TRAINER_FIXES = ("transformers-trainer-scaling",)
 TRAINER_DS_FIXES = ("transformers-trainer-scaling", "deepspeed-scale-wrt-gas", "deepspeed-zero12-accumulator")
@@ -169,3 +172,68 @@ def select(*, only=None, skip=None, quick: bool = False, rows=None) -> list[Scen
     chosen = matching(only) if only else {s.name for s in rows if s.quick or not quick}
     chosen -= matching(skip or ())
     return [s for s in rows if s.name in chosen]
+
+
+class Plan(NamedTuple):
+    """The rows a check runs, in the order it reports them; ``skipped``: row name -> why it cannot run here;
+    ``user``: a user's configuration (``user_setup``) the rows train with, or None."""
+
+    rows: list
+    skipped: dict
+    nproc: int
+    user: dict | None = None
+
+    def ranks(self, job_name: str) -> int:
+        return 1 if job(job_name).ranks == "1" else self.nproc
+
+
+def make(rows, nproc: int, found: dict, user: dict | None = None) -> Plan:
+    unreproducible = user["config"].unreproducible if user else ()
+    skipped = {}
+    for row in rows:
+        reason = skip_reason(job(row.job), nproc, found, unreproducible)
+        if reason:
+            skipped[row.name] = reason
+    return Plan(list(rows), skipped, nproc, user)
+
+
+def skip_reason(job: Job, nproc: int, found: dict, unreproducible=()) -> str | None:
+    if unreproducible:
+        return "not reproducible on CPU: " + "; ".join(unreproducible)
+    # every scenario trains with torch (and its launcher is torch's)
+    missing = [d for d in ("torch", *job.requires) if not (found.get(d) or installed_version(d))]
+    if missing:
+        return f"{', '.join(missing)} not installed"
+    for dist, spec, why in job.versions:
+        version = found.get(dist) or installed_version(dist)
+        if not version_in_range(version, spec):
+            return f"{dist} {version} {why}"
+    ranks = 1 if job.ranks == "1" else nproc
+    if ranks < job.min_ranks:
+        return f"needs {job.min_ranks} ranks (--nproc {nproc})"
+    return None
+
+
+def user_setup(deepspeed, *, nproc: int, workdir: Path, gas=None, bf16=False, fp16=False, trainer_args=None,
+               model_path=None) -> dict:
+    """Resolve a user's DeepSpeed config file (``--deepspeed``, with ``--gas``, ``--bf16``, ``--fp16``,
+    ``--trainer-args`` and ``--model``): the configuration, the model the rows train, and the rows. Raises
+    userconfig.ConfigError for anything unusable."""
+    from zerofix.check import userconfig
+
+    cfg = userconfig.load(deepspeed, gas=gas, nproc=nproc, bf16=bf16, fp16=fp16, trainer_args=trainer_args)
+    described, model, tied = None, "causal-lm", False
+    if model_path:
+        if not installed_version("transformers") or not installed_version("torch"):
+            raise userconfig.ConfigError("--model builds a transformers model: install torch and transformers")
+        from zerofix.check import usermodel
+
+        model, described = usermodel.prepare(model_path, workdir / "model")
+        tied = described["tied_head"]
+    task = described["task"] if described else "token"
+    rows = user_scenarios(cfg, model_name=described and described["class"], tied=tied, task=task)
+    return {"config": cfg, "model": model, "tied": tied, "described": described, "task": task,
+            # None: the installed release's default, as the user's run gets it (the ranks' TrainingArguments say which)
+            "average_tokens": cfg.average_tokens, "rows": rows}
+
+

@@ -9,11 +9,16 @@ float64, so the comparison measures the distributed run's error, not the referen
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from zerofix.check import models
 
 LOSS_MODES = ("token-mean", "rank-token-mean", "batch-mean")
+
+
+_computed: dict = {}  # reference_state's answers by what they depend on (see there)
 
 
 def reference_state(kind: str, init_state: dict, windows, *, loss_mode: str, optimizer_factory,
@@ -27,9 +32,37 @@ def reference_state(kind: str, init_state: dict, windows, *, loss_mode: str, opt
     ``ranks``: how many equal rank slices a window holds (``rank-token-mean`` only). ``clip``: the window's
     gradient is clipped to this global norm, ``g * clip / (norm + 1e-6)`` when that factor is below 1 (torch's
     clip_grad_norm_ and DeepSpeed alike).
+
+    The same question asked twice is answered once (a run's unpatched and patched halves train on the same samples,
+    mostly from the same weights): the key is the weights' bytes, the windows and every other argument, and an
+    optimizer factory that is not a value (a lambda) is never cached.
     """
     if loss_mode not in LOSS_MODES:
         raise ValueError(f"loss_mode must be one of {LOSS_MODES}")
+    key = None
+    if isinstance(optimizer_factory, SGD):
+        key = (kind, _digest(init_state), repr(windows), loss_mode, optimizer_factory, seed, last_of_each, ranks, clip)
+        if key in _computed:
+            return {k: v.clone() for k, v in _computed[key].items()}
+    state = _reference_state(kind, init_state, windows, loss_mode=loss_mode, optimizer_factory=optimizer_factory,
+                             seed=seed, last_of_each=last_of_each, ranks=ranks, clip=clip)
+    if key is not None:
+        _computed[key] = {k: v.clone() for k, v in state.items()}
+    return state
+
+
+def _digest(state: dict) -> str:
+    import hashlib
+
+    h = hashlib.sha1()
+    for name in sorted(state):
+        t = state[name].detach().contiguous()
+        h.update(f"{name}{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _reference_state(kind, init_state, windows, *, loss_mode, optimizer_factory, seed, last_of_each, ranks, clip):
     model = models.build_model(kind, seed).double()
     model.load_state_dict({k: v.double() for k, v in init_state.items()})
     model.train()
@@ -102,8 +135,17 @@ def windows_from_ranks(rank_records: list[dict]) -> list[list[list[int]]]:
     return [[mb for r in rank_records for mb in r["windows"][s]] for s in range(steps.pop())]
 
 
-def sgd(lr: float):
-    return lambda params: torch.optim.SGD(params, lr=lr)
+class SGD(NamedTuple):
+    """torch's SGD at a constant rate, as a value (``reference_state`` can cache what it answers with it)."""
+
+    lr: float
+
+    def __call__(self, params):
+        return torch.optim.SGD(params, lr=self.lr)
+
+
+def sgd(lr: float) -> SGD:
+    return SGD(float(lr))
 
 
 

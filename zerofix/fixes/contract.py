@@ -14,6 +14,10 @@ An implementation module implements one or more catalogue entries and provides:
     ``zerofix.applied.facts(fix_id)`` instead of module globals.
 ``runtime_details() -> list[dict]`` (optional)
     what an applied fix saw while running, one dict per object it manages, for ``zerofix.status()``.
+``reset_runtime() -> None`` (optional)
+    forget what ``runtime_details`` lists; called when the module's last applied entry is removed, so that an
+    application starts with nothing seen (a process that trains many times, as ``zerofix check``'s sessions
+    do, would otherwise list every earlier run's objects).
 
 The wrappers themselves are named by the catalogue's ``Target.wrapper`` as ``"module:function"`` (wrapt's
 signature ``(wrapped, instance, args, kwargs)``), so entries that share a mechanism share its functions
@@ -61,9 +65,10 @@ def violations(module, fix_id: str | None = None) -> list[str]:
         out.append(f"{name} implements {', '.join(ids)}, not {fix_id}")
     if not callable(getattr(module, "structural_check", None)):
         out.append(f"{name} has no structural_check(fix_id, targets) -> Check")
-    details = getattr(module, "runtime_details", None)
-    if details is not None and not callable(details):
-        out.append(f"{name}.runtime_details is not callable")
+    for optional in ("runtime_details", "reset_runtime"):
+        value = getattr(module, optional, None)
+        if value is not None and not callable(value):
+            out.append(f"{name}.{optional} is not callable")
     return out
 
 

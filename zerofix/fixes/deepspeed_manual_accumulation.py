@@ -376,6 +376,12 @@ def _prepare_buckets(opt) -> None:
 
 
 # ----------------------------------------------------------------------------- status
+def reset_runtime() -> None:
+    """Forget the engines listed (an engine DeepSpeed's hooks keep alive after its training would otherwise be listed
+    by every later application in the process); what the wrappers keep on each engine is left as it is."""
+    _engines.clear()
+
+
 def runtime_details() -> list[dict]:
     """One entry per live engine this fix has seen (for zerofix.status())."""
     out = []

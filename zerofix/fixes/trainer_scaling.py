@@ -304,6 +304,10 @@ def runtime_details() -> list[dict]:
     return [dict(d) for d in _details]
 
 
+def reset_runtime() -> None:
+    _details.clear()
+
+
 def backward(wrapped, accelerator, args, kwargs):
     step = accelerator.__dict__.get(_STEP) if accelerator is not None else None
     if step is None or step.handled:  # not the Trainer's backward, or a second one in the same step

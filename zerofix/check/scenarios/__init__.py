@@ -5,7 +5,7 @@ from __future__ import annotations
 def run_and_record(args, train) -> None:
     """The TRL scenarios' rank: ``zerofix.patch()`` first with ``--zerofix`` (before TRL is imported), then
     ``train(args)``; writes ``rank{r}.json`` (its result, or the error: a crash is a result the tests assert,
-    and zerofix's status), then ``finish()``."""
+    and zerofix's status)."""
     import json
     import os
     import traceback
@@ -26,6 +26,14 @@ def run_and_record(args, train) -> None:
         record["traceback"] = traceback.format_exc()[-4000:]
     record["status"] = {r.id: r.state for r in zerofix.status()}
     (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+
+
+def entry(run) -> None:
+    """A scenario launched on its own (``python -m zerofix.check.scenarios.<name>``): ``run`` with the command
+    line's arguments, then ``finish()``. In a session (``zerofix.check.session``) the same ``run`` is one of many."""
+    import sys
+
+    run(sys.argv[1:])
     finish()
 
 

@@ -9,12 +9,12 @@ every optimizer step (``step{k}.pt``, ``final.pt``); ``<out>/<cell>/init.pt`` th
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 from pathlib import Path
 
 from zerofix.check.scenarios.trainer_gas import final_weights, step_without_grad_mode, user_config
+from zerofix.check.session import freeze_once
 
 BATCH = 2
 
@@ -100,7 +100,7 @@ def train(args, cell: dict, variant: str, out: Path, world: int, rank: int) -> N
     accelerator.free_memory()
 
 
-def main(argv=None):
+def run(argv=None):
     args = parse_args(argv)
     out = Path(args.out)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -114,7 +114,7 @@ def main(argv=None):
     import zerofix
     from zerofix.check import models  # noqa: F401  (transformers, torch imported before the gc freeze)
 
-    gc.freeze()  # DeepSpeed 0.18.x's gc.collect() calls would scan every library object
+    freeze_once()  # DeepSpeed 0.18.x's gc.collect() calls would scan every library object
     if args.zero_stage is not None:
         step_without_grad_mode()
     cells = json.loads(Path(args.cells).read_text())
@@ -126,10 +126,9 @@ def main(argv=None):
             cell_out = out / cell["name"]
             cell_out.mkdir(parents=True, exist_ok=True)
             train(args, cell, variant, cell_out, world, rank)
-    from zerofix.check.scenarios import finish
-
-    finish()
 
 
 if __name__ == "__main__":
-    main()
+    from zerofix.check.scenarios import entry
+
+    entry(run)

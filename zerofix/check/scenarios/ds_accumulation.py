@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from zerofix.check import accumulation, models, reference
+from zerofix.check import accumulation, collectives, models, reference
+from zerofix.check.session import freeze_once
 
 FIX = "deepspeed-manual-accumulation"  # the fix whose per-engine runtime the results carry
 
@@ -84,34 +85,6 @@ def grad_norm(engine):
 
 
 # ----------------------------------------------------------------------------- observables (probe cells)
-# Every torch.distributed collective, counted at the torch level: installed before DeepSpeed is imported
-# (it may keep references to these functions). Also benchmarks/bench_deepspeed_accumulation.py's counter.
-COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-               "_reduce_scatter_base", "all_gather", "all_gather_into_tensor", "_all_gather_base",
-               "broadcast", "all_to_all_single", "barrier")
-_collectives: list = []
-
-
-def count_collectives(record=None) -> None:
-    """Wrap every collective so that ``record(name, elements)`` sees each call (default: this module's
-    list of ``"name:elements"``, which the Probe reads op by op)."""
-    import torch.distributed as dist
-
-    record = record or (lambda name, numel: _collectives.append(f"{name}:{numel}"))
-
-    def counting(name, fn):
-        def counted(*args, **kwargs):
-            tensor = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
-            record(name, tensor.numel() if tensor is not None else 0)
-            return fn(*args, **kwargs)
-        return counted
-
-    for name in COLLECTIVES:
-        for module in (dist, dist.distributed_c10d):
-            if hasattr(module, name):
-                setattr(module, name, counting(name, getattr(module, name)))
-
-
 def digest(value) -> str:
     """Bitwise identity of a tensor (dtype, shape, bytes), or of every tensor inside a container."""
     import hashlib
@@ -157,9 +130,7 @@ class Probe:
         self.last_read = None  # the read after the latest backward, full tensors (the reference check)
 
     def collectives(self) -> list:
-        seen = list(_collectives)
-        _collectives.clear()
-        return seen
+        return collectives.take()
 
     def backward(self, loss, **kwargs):
         boundary = bool(self.engine.is_gradient_accumulation_boundary())
@@ -313,7 +284,7 @@ def _runtime(engine) -> dict:
             "states": {r.id: r.state for r in records}}
 
 
-def main() -> None:
+def run(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cells", required=True, help="JSON file: a list of Cell field dicts")
     parser.add_argument("--variants", default="unpatched,patched",
@@ -323,10 +294,10 @@ def main() -> None:
     parser.add_argument("--base-config", default=None, help="JSON file: the DeepSpeed configuration every cell "
                         "starts from (zerofix check --deepspeed)")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     global BASE_CONFIG
     BASE_CONFIG = json.loads(Path(args.base_config).read_text()) if args.base_config else None
-    count_collectives()
+    collectives.install()
     import deepspeed
     import torch.distributed as dist
 
@@ -339,7 +310,7 @@ def main() -> None:
     # DeepSpeed 0.18.x runs gc.collect() three times in every ZeRO-1/2 optimizer's __init__ (forced
     # memory reports, rank 0); over the ~1e6 objects torch and friends leave behind that is 1.5 s a cell.
     # Freezing what exists now keeps those collections to the cells' own objects. Numerics untouched.
-    gc.freeze()
+    freeze_once()
     if rank == 0:
         torch.save(init_state, out / "init.pt")
     record = {"rank": rank, "world": world, "cells": {}}
@@ -378,11 +349,10 @@ def main() -> None:
             if rank == 0 and checkpoint_dir.exists():
                 shutil.rmtree(checkpoint_dir)
     (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
-    from zerofix.check.scenarios import finish
-
-    finish()
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    from zerofix.check.scenarios import entry
+
+    entry(run)

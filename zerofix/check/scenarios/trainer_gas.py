@@ -9,11 +9,12 @@ Trainer, which also exercises patching after transformers was imported.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import tempfile
 from pathlib import Path
+
+from zerofix.check.session import freeze_once
 
 
 def parse_args(argv=None):
@@ -54,7 +55,8 @@ def cell_args(args, cell: dict):
     cell_args.loss = cell.get("loss", "model")
     cell_args.samples = cell.get("samples", 0)
     cell_args.epochs = cell.get("epochs", 1)
-    cell_args.no_average_tokens = not cell.get("average_tokens", True)
+    average = cell.get("average_tokens", True)  # None: the installed release's default
+    cell_args.no_average_tokens = None if average is None else not average
     cell_args.lr = cell.get("lr", args.lr)
     cell_args.bs = cell.get("bs", args.bs)
     cell_args.max_grad_norm = cell.get("clip", args.max_grad_norm)
@@ -85,11 +87,14 @@ def step_without_grad_mode() -> None:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     original = DeepSpeedZeroOptimizer.step
+    if getattr(original, "_without_grad_mode", False):  # already wrapped (a session's earlier run)
+        return
 
     def step(self, *args, **kwargs):
         with torch.no_grad():
             return original(self, *args, **kwargs)
 
+    step._without_grad_mode = True
     DeepSpeedZeroOptimizer.step = step
 
 
@@ -124,7 +129,7 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
     from zerofix.check import models
 
     model = models.build_model(args.model, args.seed)
-    gc.freeze()  # see ds_accumulation: DeepSpeed 0.18.x's gc.collect() calls would scan every library object
+    freeze_once()  # see ds_accumulation: DeepSpeed 0.18.x's gc.collect() calls would scan every library object
     if rank == 0 and not (out / "init.pt").exists():
         torch.save(model.state_dict(), out / "init.pt")
     size = args.samples or args.steps * args.gas * args.bs * world
@@ -155,7 +160,7 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         save_strategy="no",
         logging_strategy="no", use_cpu=True, seed=args.seed, dataloader_num_workers=0,
         remove_unused_columns=False, disable_tqdm=True,
-        average_tokens_across_devices=not args.no_average_tokens,
+        **({} if args.no_average_tokens is None else {"average_tokens_across_devices": not args.no_average_tokens}),
         **({"ddp_backend": "gloo"} if world > 1 else {}),
         **({"deepspeed": user_config(args) or deepspeed_config(args.zero_stage)} if args.zero_stage is not None else {}),
     )
@@ -187,14 +192,14 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         torch.save(weights, vdir / "final.pt")
     record = {
         "rank": rank, "world": world, "variant": variant, "model": args.model, "loss": args.loss, "gas": args.gas,
-        "average_tokens": not args.no_average_tokens, "cell_dir": out.name,
+        "average_tokens": bool(getattr(training_args, "average_tokens_across_devices", False)), "cell_dir": out.name,
         "windows": [windows[s] for s in sorted(windows)],
         "status": [r.to_dict() for r in zerofix.status()],
     }
     (vdir / f"rank{rank}.json").write_text(json.dumps(record))
 
 
-def main(argv=None):
+def run(argv=None):
     args = parse_args(argv)
     out = Path(args.out)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -226,10 +231,9 @@ def main(argv=None):
             zerofix.patch()
         for run_args, run_out in runs:
             train(run_args, variant, run_out, world, rank)
-    from zerofix.check.scenarios import finish
-
-    finish()
 
 
 if __name__ == "__main__":
-    main()
+    from zerofix.check.scenarios import entry
+
+    entry(run)

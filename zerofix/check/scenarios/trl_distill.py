@@ -24,7 +24,7 @@ from pathlib import Path
 
 from zerofix.check.scenarios import run_and_record
 from zerofix.check.scenarios.trl_grpo import prompts
-from zerofix.check.scenarios.trl_sft import count_head_gathers, make_model_dir
+from zerofix.check.scenarios.trl_sft import count_head_gathers, ensure, make_model_dir
 
 PER_DEVICE, MAX_COMPLETION, CHUNK = 2, 12, 4
 WHOLE = 4096  # rows per chunk of the reference: more than any rank's completion tokens, one chunk per rank
@@ -48,7 +48,7 @@ def make_models(root: Path) -> tuple[Path, Path]:
     return dirs[0], dirs[1]
 
 
-def main() -> None:
+def run(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--student", required=True)
     parser.add_argument("--teacher", required=True)
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--zerofix", action="store_true")
     parser.add_argument("--out", required=True)
-    run_and_record(parser.parse_args(), train)
+    run_and_record(parser.parse_args(argv), train)
 
 
 def train(args) -> dict:
@@ -68,6 +68,7 @@ def train(args) -> dict:
     from accelerate import PartialState
 
     PartialState(backend="gloo")  # accelerate >= 1.13 on CPU otherwise sees one process
+    ensure(Path(args.student).parent, make_models)  # student and teacher, side by side
     distillation_trainer._CHUNKED_LM_HEAD_CHUNK_SIZE = args.chunk
     config = DistillationConfig(
         output_dir=str(Path(args.out) / "trainer"), per_device_train_batch_size=PER_DEVICE,
@@ -119,4 +120,6 @@ def train(args) -> dict:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    from zerofix.check.scenarios import entry
+
+    entry(run)

@@ -23,7 +23,7 @@ import os
 import traceback
 from pathlib import Path
 
-from zerofix.check.scenarios.trl_sft import VOCAB, make_model_dir  # noqa: F401 - the same tiny Llama
+from zerofix.check.scenarios.trl_sft import VOCAB, ensure, make_model_dir  # the same tiny Llama
 
 PER_DEVICE, NUM_GENERATIONS, MAX_COMPLETION, PROMPT_WORDS = 2, 4, 6, 4
 # One SGD step: a large rate makes the update large against the weights, so that after - before (float32)
@@ -56,13 +56,13 @@ def prompts(n: int):
     return Dataset.from_dict({"prompt": rows})
 
 
-def main() -> None:
+def run(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--cases", required=True, help="JSON list of {loss_type, spg, gas}")
     parser.add_argument("--zerofix", action="store_true")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.zerofix:
         import zerofix
 
@@ -70,6 +70,7 @@ def main() -> None:
     from accelerate import PartialState
 
     PartialState(backend="gloo")  # accelerate >= 1.13 on CPU otherwise sees one process
+    ensure(args.model_dir, make_model_dir)
     rank = int(os.environ.get("RANK", 0))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -85,9 +86,6 @@ def main() -> None:
 
     record["status"] = {r.id: r.state for r in zerofix.status()}
     (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
-    from zerofix.check.scenarios import finish
-
-    finish()
 
 
 def _scaling_details():
@@ -160,7 +158,9 @@ def reference_update(model_dir, files: list[Path]) -> dict:
     updates (flat float64), the largest difference between the ranks' updates and the window's tokens."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # zerofix check's own progress is on the same terminal
     saved = [torch.load(f, weights_only=False) for f in files]
     settings = saved[0]["settings"]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
@@ -224,4 +224,6 @@ def _micro_objective(model, m: dict, settings: dict):
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    from zerofix.check.scenarios import entry
+
+    entry(run)

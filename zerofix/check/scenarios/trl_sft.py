@@ -54,6 +54,30 @@ def make_model_dir(path: Path, *, tied: bool = False, seed: int = 0) -> Path:
     return path
 
 
+def ensure(path, make, *, timeout: float = 300) -> Path:
+    """The folder ``path``, made by ``make(folder)`` on rank 0 if it is not there yet (in a folder of its own, then
+    renamed: whole or absent), the other ranks waiting for it to appear (no collective: a run may have no process
+    group yet). The parent names the folder and the ranks, which have transformers imported already, make it; the
+    random state is the same whether this run made it or found it."""
+    import os
+    import time
+
+    import torch
+
+    path = Path(path)
+    if int(os.environ.get("RANK", "0")) == 0 and not path.exists():
+        partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+        with torch.random.fork_rng(devices=[]):  # a run that makes it draws what a run that finds it draws
+            make(partial)
+        os.replace(partial, path)
+    waited = time.monotonic()
+    while not path.exists():
+        if time.monotonic() - waited > timeout:
+            raise TimeoutError(f"{path} did not appear in {timeout:.0f} s (rank 0 makes it)")
+        time.sleep(0.05)
+    return path
+
+
 def dataset():
     """Pre-tokenized sequences of different lengths; some with a masked prompt (completion_mask)."""
     import torch
@@ -98,7 +122,7 @@ def count_head_gathers(head, counter: dict) -> None:
     head.all_gather = all_gather
 
 
-def main() -> None:
+def run(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--path", choices=("r1", "r2", "r3", "r4"), required=True)
@@ -112,7 +136,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     from zerofix.check.scenarios import run_and_record
 
-    run_and_record(parser.parse_args(), train)
+    run_and_record(parser.parse_args(argv), train)
 
 
 def train(args) -> dict:
@@ -123,6 +147,7 @@ def train(args) -> dict:
     from accelerate import PartialState
 
     PartialState(backend="gloo")  # accelerate >= 1.13 on CPU otherwise sees one process
+    ensure(args.model_dir, make_model_dir)
     phase = {"now": "setup"}
     chat = args.path in ("r3", "r4")  # assistant-only masking, ranks with different chunk counts
     config = SFTConfig(
@@ -223,4 +248,6 @@ def full_logits_nll(outputs, labels, num_items_in_batch=None):
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    from zerofix.check.scenarios import entry
+
+    entry(run)

@@ -20,13 +20,13 @@ import os
 import tempfile
 from pathlib import Path
 
+from zerofix.check.scenarios.trl_sft import ensure, make_model_dir
+
 SEQ, PROMPT, PER_DEVICE, GAS = 10, 4, 2, 4
 VOCAB = 64
 
 
 def make_dirs(root: Path) -> dict:
-    from zerofix.check.scenarios.trl_sft import make_model_dir
-
     return {"student": make_model_dir(root / "student", seed=0), "teacher": make_model_dir(root / "teacher", seed=1)}
 
 
@@ -122,6 +122,7 @@ def train(args) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     out = Path(args.out)
+    ensure(Path(args.student).parent, make_dirs)  # student and teacher, side by side (rank 0 makes them)
     dirs = {"student": Path(args.student), "teacher": Path(args.teacher)}
     record = {}
     for variant in ("unpatched", "patched"):
@@ -143,7 +144,7 @@ def train(args) -> dict:
     return record
 
 
-def main() -> None:
+def run(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--student", required=True)
     parser.add_argument("--teacher", required=True)
@@ -152,8 +153,10 @@ def main() -> None:
     parser.add_argument("--zerofix", action="store_true", help="unused: the scenario patches between its variants")
     from zerofix.check.scenarios import run_and_record
 
-    run_and_record(parser.parse_args(), train)
+    run_and_record(parser.parse_args(argv), train)
 
 
 if __name__ == "__main__":
-    main()
+    from zerofix.check.scenarios import entry
+
+    entry(run)

@@ -216,11 +216,11 @@ def gathered_api(model) -> dict:
     return out
 
 
-def main() -> None:
+def run(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cells", required=True, help="JSON file: a list of cell dicts")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import deepspeed
     import torch.distributed as dist
 
@@ -245,11 +245,10 @@ def main() -> None:
         record["cells"][cell["name"]] = result
         dist.barrier()
     (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
-    from zerofix.check.scenarios import finish
-
-    finish()
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    from zerofix.check.scenarios import entry
+
+    entry(run)

@@ -1,0 +1,228 @@
+"""Many runs, one set of ranks (``zerofix.check.session``, ``launch.run_session``, ``runner.Batch``).
+
+With a scenario that trains nothing (``zerofix.check.scenarios.probe``): the runs of a batch share one launch (the
+same processes), one-process runs ride on its ranks before its process group exists, every run starts from the same
+random state, and a run that hangs or crashes fails alone, with its own cause, while the others still run (a fresh
+launch for the runs after it). With ``zerofix check``'s own rows (``test_records_do_not_depend_on_the_runs_before``):
+a run's records are bitwise the same alone, after every other run, and with the runs in the opposite order.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from zerofix.check import launch, runner, session
+
+PROBE = "zerofix.check.scenarios.probe"
+
+
+def probe(tag: str, *args, nproc: int = 2, **options) -> runner.Request:
+    return runner.Request(name=f"probe-{tag}", module=PROBE, argv=("--tag", tag, *args), nproc=nproc,
+                          interpret=lambda folder, records: records, **options)
+
+
+def launches(batch, nproc: int = 2) -> list[str]:
+    return sorted(p.name for p in (batch.root / f"session-{nproc}").glob("launch*"))
+
+
+# ---- no ranks ----------------------------------------------------------------------------------------------------
+
+def test_reset_puts_back_what_a_run_leaves_in_the_process(monkeypatch):
+    """zerofix's fixes (and what they saw), the environment, torch's grad mode and default dtype."""
+    torch = pytest.importorskip("torch")
+    import zerofix
+
+    monkeypatch.setattr(session, "_ENVIRON", dict(os.environ))
+    zerofix.patch(fixes=["deepspeed-manual-accumulation"])
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what TrainingArguments writes
+    torch.set_grad_enabled(False)
+    torch.set_default_dtype(torch.float64)
+    try:
+        session.reset()
+        assert all(r.state != "applied" for r in zerofix.status())
+        assert "ACCELERATE_USE_DEEPSPEED" not in os.environ
+        assert torch.is_grad_enabled() and torch.get_default_dtype() == torch.float32
+    finally:
+        zerofix.unpatch()
+        torch.set_grad_enabled(True)
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_request_is_known_by_what_it_does():
+    a, b = probe("a"), probe("a", timeout=5)
+    assert a.key == b.key  # the same run: asked twice, run once
+    assert probe("a").key != probe("b").key != probe("b", nproc=1).key
+
+
+# ---- real launches ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.distributed
+@pytest.mark.smoke
+def test_runs_share_one_launch_and_start_from_the_same_random_state(tmp_path):
+    batch = runner.Batch(tmp_path)
+    group = [probe(t) for t in "abc"]
+    single = [probe(f"single-{t}", nproc=1, needs_group=False) for t in "ab"]
+    batch.add(*group, *single)
+    batch.run()
+    assert launches(batch) == ["launch0"] and not (tmp_path / "session-1").exists()
+    records = {r.name: batch.result(r) for r in group + single}
+    for rank in (0, 1):  # the same process ran every run of its rank
+        assert len({recs[rank]["pid"] for recs in (batch.result(r) for r in group)}) == 1
+    assert all([r["sum"] for r in batch.result(g)] == [3.0, 3.0] for g in group)
+    # the one-process runs: a world of one each, one on each rank, before the session's group existed
+    assert [[(r["world"], r["sum"]) for r in batch.result(s)] for s in single] == [[(1, 1.0)], [(1, 1.0)]]
+    assert {batch.result(s)[0]["pid"] for s in single} == {recs[0]["pid"] for recs in (batch.result(group[0]),)} | {
+        batch.result(group[0])[1]["pid"]}
+    assert len({r["random"] for recs in records.values() for r in recs}) == 1  # every run: the same random state
+
+
+@pytest.mark.distributed
+@pytest.mark.stack("latest")  # the runner's own behaviour: one stack is enough (CI time)
+def test_a_run_that_hangs_fails_alone_and_the_others_still_run(tmp_path):
+    batch = runner.Batch(tmp_path)
+    before, hung, after = probe("before"), probe("hung", "--hang", "1", timeout=5), probe("after")
+    batch.add(before, hung, after)
+    batch.run()
+    assert [r["sum"] for r in batch.result(before)] == [3.0, 3.0]
+    with pytest.raises(launch.LaunchError, match="timed out after 5s on 2 rank"):
+        batch.result(hung)
+    assert batch.outcome(hung).error.tail.startswith("timed out after 5 s")
+    assert [r["sum"] for r in batch.result(after)] == [3.0, 3.0]
+    assert launches(batch) == ["launch0", "launch1"]  # a fresh launch for the run after the hang
+
+
+@pytest.mark.distributed
+@pytest.mark.stack("latest")  # the runner's own behaviour: one stack is enough (CI time)
+def test_a_run_that_crashes_fails_alone_with_its_own_cause(tmp_path):
+    batch = runner.Batch(tmp_path)
+    runs = [probe("first"), probe("raises", "--raise", "1"), probe("exits", "--exit", "0"), probe("last")]
+    batch.add(*runs)
+    batch.run()
+    first, raises, exits, last = (batch.outcome(r) for r in runs)
+    assert first.error is None and last.error is None and [r["sum"] for r in last.records] == [3.0, 3.0]
+    assert "RuntimeError: probe: rank 1 raised on purpose" in raises.error.tail
+    assert raises.error.tail.startswith("rank 1:")
+    assert "failed on 2 rank(s)" in str(exits.error) and "raised on purpose" not in exits.error.tail
+    assert launches(batch) == ["launch0", "launch1", "launch2"]
+
+
+@pytest.mark.distributed
+@pytest.mark.stack("latest")  # the runner's own behaviour: one stack is enough (CI time)
+def test_a_one_process_run_that_crashes_is_told_apart_from_its_neighbour(tmp_path):
+    """Two one-process runs under way at once, one per rank: the one that raised fails, the other runs again (in
+    the fresh launch with the group run)."""
+    batch = runner.Batch(tmp_path)
+    ok, bad = probe("single-ok", nproc=1, needs_group=False), probe("single-bad", "--raise", "0", nproc=1,
+                                                                      needs_group=False)
+    group = probe("group")
+    batch.add(ok, bad, group)
+    batch.run()
+    assert "probe: rank 0 raised on purpose" in batch.outcome(bad).error.tail
+    assert batch.outcome(ok).error is None and batch.result(ok)[0]["world"] == 1
+    assert [r["sum"] for r in batch.result(group)] == [3.0, 3.0]
+
+
+@pytest.mark.distributed
+@pytest.mark.stack("latest")  # the runner's own behaviour: one stack is enough (CI time)
+def test_a_launch_that_never_starts_fails_every_run_with_its_cause(tmp_path):
+    batch = runner.Batch(tmp_path, python="/nonexistent/python")
+    runs = [probe("a"), probe("b")]
+    batch.add(*runs)
+    batch.run()
+    assert all(batch.outcome(r).error is not None for r in runs)
+    assert launches(batch) == ["launch0"]  # no endless relaunch
+
+
+# ---- zerofix check's own rows ---------------------------------------------------------------------------------------
+
+def _normalised(value, folder: str):
+    """A record without what differs between two identical runs: timings, object addresses, the run's folder."""
+    if isinstance(value, dict):
+        return {k: _normalised(v, folder) for k, v in value.items() if k not in ("seconds", "traceback")}
+    if isinstance(value, list):
+        return [_normalised(v, folder) for v in value]
+    if isinstance(value, str):
+        import re
+
+        return re.sub(r"0x[0-9a-f]{6,}", "0x?", value.replace(folder, "{out}"))
+    return value
+
+
+def _tensors(value):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for k in sorted(value, key=str) for t in _tensors(value[k])]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def written(batch, request) -> dict:
+    """Everything a run wrote: its ranks' records (normalised) and every tensor file, by relative path."""
+    import torch
+
+    folder = batch.folder(request)
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        name = str(path.relative_to(folder))
+        if path.suffix == ".json" and path.name.startswith("rank"):
+            out[name] = _normalised(json.loads(path.read_text()), str(folder))
+        elif path.suffix == ".pt":
+            out[name] = _tensors(torch.load(path, weights_only=False))
+    return out
+
+
+def same(a: dict, b: dict) -> list[str]:
+    """The files whose records or tensors differ (bitwise); empty when none does."""
+    import torch
+
+    if set(a) != set(b):
+        return [f"files: {sorted(set(a) ^ set(b))}"]
+
+    def differ(x, y) -> bool:
+        if not isinstance(x, list):
+            return x != y
+        return len(x) != len(y) or not all(s.dtype == t.dtype and torch.equal(s, t) for s, t in zip(x, y))
+
+    return [name for name in a if differ(a[name], b[name])]
+
+
+@pytest.mark.distributed
+@pytest.mark.stack("latest", "2026-04", "2025-10")
+def test_records_do_not_depend_on_the_runs_before(tmp_path):
+    """The default check's requests, three ways: as the check runs them (one session, its one-process runs on the
+    ranks before the group exists); in the opposite order with a session per rank count (so the first run of the
+    one runs after every other run in the other, and the one-process runs get a launch of their own); and, for the
+    first run, alone. Every run's records and tensors are bitwise the same in all three."""
+    import dataclasses
+
+    from zerofix.check import command, jobs, plan
+
+    checked = plan.make(plan.select(), 2, command.versions())
+    by_job = {}
+    for row in checked.rows:
+        if row.name not in checked.skipped:
+            by_job.setdefault(row.job, []).append(row)
+    requests = [dataclasses.replace(r, late=False)  # the order as given, nothing moved to the end
+                for name, rows in by_job.items()
+                for r in jobs.plan(plan.job(name), rows, checked.ranks(name), 300, tmp_path / "work", None).requests]
+    forward = runner.Batch(tmp_path / "forward")
+    forward.add(*requests)
+    forward.run()
+    backward = runner.Batch(tmp_path / "backward", together=False)
+    backward.add(*reversed(requests))
+    backward.run()
+    first = next(r for r in requests if r.needs_group)
+    alone = runner.Batch(tmp_path / "alone")
+    alone.add(first)
+    alone.run()
+    for request in requests:
+        assert forward.outcome(request).error is None, (request.name, forward.outcome(request).error)
+        assert not same(written(forward, request), written(backward, request)), request.name
+    assert not same(written(forward, first), written(alone, first))
+    assert not same(written(backward, first), written(alone, first))  # after every other run

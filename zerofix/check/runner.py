@@ -1,0 +1,184 @@
+"""Many scenario runs, one launch: ``Request`` (one run and how to read what it wrote) and ``Batch`` (requests run in
+one session per number of ranks, ``zerofix.check.session``). ``zerofix check`` and the test suite's distributed
+matrices both run through a Batch, so the libraries are imported once per rank count, not once per run.
+
+A request's folder is ``<root>/<name>-<key>``: the key is a hash of what the run does (module, arguments, files,
+environment, ranks), so the same request asked twice runs once. Within a session the requests run in the order
+they were added, those marked ``late`` last: the runs that show a bug, which crash or hang by design, so that a
+fresh session after one of them has little left to run.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from zerofix.check import launch
+
+
+@dataclass(frozen=True, eq=False)
+class Request:
+    """``python -m <module> <argv>`` on ``nproc`` ranks, as one run of a session. ``argv`` (and ``accelerate``) may
+    name ``{out}``, the request's folder, into which ``files`` ((name, text) pairs) are written first, and ``{root}``,
+    the batch's (what runs share: a model the first run that needs it makes). ``env``: variables for this run
+    only; ``accelerate``: an accelerate config (JSON) whose ``accelerate launch`` variables the run gets too. ``bound``: ``(request, factor, minimum)``: a limit of ``factor`` times that request's run time (at least
+    ``minimum`` seconds) instead of ``timeout``. ``needs_group``: False for a one-process run that makes no process
+    group (a Trainer or accelerate loop without DeepSpeed), which a larger session's ranks can run before their
+    own group exists. ``interpret(folder, records)``: what ``Batch.result`` returns."""
+
+    name: str
+    module: str
+    argv: tuple
+    nproc: int
+    files: tuple = ()
+    env: tuple = ()
+    accelerate: str | None = None
+    timeout: float = 600
+    bound: tuple | None = None
+    late: bool = False
+    needs_group: bool = True
+    imports: tuple = ()
+    interpret: Callable | None = field(default=None, repr=False)
+
+    @property
+    def key(self) -> str:
+        what = json.dumps([self.module, list(self.argv), self.nproc, list(self.files), list(self.env), self.accelerate])
+        return hashlib.sha1(what.encode()).hexdigest()[:10]
+
+
+class Batch:
+    """Requests run together; ``progress(total)``: an object with ``set_description(name)`` (a run starts),
+    ``update(1)`` (a run ended) and ``close()`` (``zerofix.check.report.progress``); ``on_outcome(request)``: called
+    (from the thread that watches its session) as soon as a request's outcome is known, so that its results can be
+    read while other runs go on."""
+
+    def __init__(self, root: Path, *, python: str = sys.executable, progress=None, together: bool = True,
+                 on_outcome=None):
+        self.root = Path(root)
+        self.python = python
+        self.progress = progress
+        self.together = together
+        self.on_outcome = on_outcome
+        self._requests: dict[str, Request] = {}  # key -> request, in the order added
+        self._outcomes: dict[str, launch.Outcome] = {}
+        self._folders: dict[str, Path] = {}  # a folder a caller chose (``alone``)
+
+    def add(self, *requests: Request) -> None:
+        for request in requests:
+            self._requests.setdefault(request.key, request)
+
+    def folder(self, request: Request) -> Path:
+        return self._folders.get(request.key) or self.root / f"{request.name}-{request.key}"
+
+    def run(self) -> None:
+        """Run every request added and not run yet: one session per number of ranks, the sessions side by side
+        (``together``, the default: on 2 cores a 2-rank session's runs keep about 1.4 of them busy)."""
+        pending = [r for k, r in self._requests.items() if k not in self._outcomes]
+        if not pending:
+            return
+        bar = self.progress(len(pending)) if self.progress else None
+        lock = threading.Lock()
+        requests = {r.key: r for r in pending}
+
+        first_run = threading.Event()  # the largest session's ranks have imported everything: the others may start
+
+        def started(run):
+            first_run.set()
+            if bar:
+                with lock:
+                    bar.set_description(names[run.id])
+
+        def ended(run, outcome):
+            self._outcomes[run.id] = outcome
+            with lock:
+                if bar:
+                    bar.update(1)
+                if self.on_outcome:
+                    self.on_outcome(requests[run.id])
+
+        sizes = sorted({r.nproc for r in pending}, reverse=True)  # the most ranks first: the longest session
+        # One-process runs that make no process group ride in the largest session, shared out over its ranks before
+        # its group exists: one set of ranks for every run, no interpreter start and imports of their own.
+        hosted = {}
+        if self.together and sizes[0] > 1:
+            singles = [r for r in pending if r.nproc == 1 and not r.needs_group]
+            hosted = {r.key: i % sizes[0] for i, r in enumerate(singles)}
+            if len(hosted) == sum(r.nproc == 1 for r in pending):
+                sizes = [n for n in sizes if n != 1]
+
+        def session(nproc: int) -> None:
+            group = [r for r in pending if r.nproc == nproc and r.key not in hosted]
+            if nproc == sizes[0]:
+                group = [r for r in pending if r.key in hosted] + group
+            group.sort(key=lambda r: (r.key not in hosted, r.late))  # stable: hosted first, the late ones last
+            runs = [self._run(r, hosted.get(r.key)) for r in group]
+            imports = tuple(dict.fromkeys(m for r in group for m in (*r.imports, r.module)))
+            try:
+                launch.run_session(runs, nproc=nproc, session_dir=self.root / f"session-{nproc}", python=self.python,
+                                   imports=imports, on_start=started, on_end=ended)
+            finally:
+                first_run.set()
+
+        names = {r.key: r.name for r in pending}
+        try:
+            if self.together and len(sizes) > 1:
+                # Side by side, but the smaller sessions start once the largest one runs: their imports would
+                # otherwise compete with its ranks' for the two cores, where its runs leave room.
+                with ThreadPoolExecutor(len(sizes)) as pool:
+                    futures = [pool.submit(session, sizes[0])]
+                    first_run.wait()
+                    futures += [pool.submit(session, n) for n in sizes[1:]]
+                    for future in futures:
+                        future.result()
+            else:
+                for nproc in sizes:
+                    session(nproc)
+        finally:
+            if bar:
+                bar.close()
+
+    def _run(self, request: Request, rank: int | None = None) -> launch.Run:
+        out = self.folder(request)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, text in request.files:
+            (out / name).write_text(text)
+        bound = None
+        if request.bound:
+            other, factor, minimum = request.bound
+            bound = (other.key, factor, minimum)
+        def placed(text: str) -> str:
+            return text.replace("{out}", str(out)).replace("{root}", str(self.root))
+
+        return launch.Run(id=request.key, module=request.module, out=out, env=request.env, timeout=request.timeout,
+                          accelerate=request.accelerate and placed(request.accelerate), bound=bound, rank=rank,
+                          argv=tuple(placed(str(a)) for a in request.argv))
+
+    def outcome(self, request: Request) -> launch.Outcome:
+        if request.key not in self._outcomes:
+            self.add(request)
+            self.run()
+        return self._outcomes[request.key]
+
+    def records(self, request: Request) -> list[dict]:
+        """The ranks' records; raises the run's LaunchError where it crashed or hung."""
+        return self.outcome(request).get()
+
+    def result(self, request: Request):
+        return request.interpret(self.folder(request), self.records(request))
+
+
+def alone(request: Request, folder: Path):
+    """One request in a session of its own, its files in ``folder`` (a test or a tool that needs nothing else)."""
+    batch = Batch(Path(folder) / ".session")
+    batch._folders[request.key] = Path(folder)
+    return batch.result(request)
+
+
+def files(**named) -> tuple:
+    """``files=`` of a Request: each value written as JSON (a str as it is)."""
+    return tuple((name, text if isinstance(text, str) else json.dumps(text)) for name, text in named.items())

@@ -1,0 +1,214 @@
+"""One set of ranks that runs many scenario runs in turn (``python -m zerofix.check.session --plan FILE``).
+
+A launch costs an interpreter start per rank and the import of torch, DeepSpeed, transformers and accelerate
+(5 s per rank on a quiet 2-core machine, 15 s on a busy one) to train a model that needs milliseconds. A
+session pays that once: its ranks make the process group once and run every run of the plan, each as
+``module.run(argv)`` would run in a launch of its own (the scenario modules' ``main`` is ``run`` + ``finish``).
+
+Between runs, ``reset()`` puts back what a run leaves behind in the process: zerofix's fixes and what they saw,
+accelerate's shared state, transformers' DeepSpeed config, the environment (the Trainer and accelerate write
+``ACCELERATE_*`` variables into it), torch's grad mode, default dtype, thread count and random generators. Every
+run starts from the same random state, so a run's records do not depend on which runs came before it
+(``tests/test_session.py`` holds that bitwise).
+
+A run of one process that makes no process group (a Trainer without DeepSpeed) does not need a session of its own:
+the plan gives it a rank (``"rank"``), and that rank runs it first, before the session's process group exists, with
+the environment ``torchrun --nproc_per_node 1`` gives its rank (``one_process``); the ranks share such runs out.
+
+Progress goes to ``<dir>/progress.rank<r>`` as lines ``ready``, ``start <index>`` and ``done <index>``, each with the
+wall-clock time and the process's CPU time (flushed; ``zerofix.check.launch.timings`` reads them), and a
+line ``[zerofix session] start <id>`` on stdout, so that the launcher (``zerofix.check.launch.run_session``)
+knows which run a hang or a crash belongs to and can start a fresh session for the runs after it. An exception a
+run does not record itself ends the session, its run's index and traceback in ``<dir>/error.rank<r>``: the ranks
+of a run that failed on one rank cannot be trusted with the next run's collectives.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+# What an interpreter the session launcher started had: put back after every run.
+_ENVIRON = dict(os.environ)
+_SEED = 0
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--plan", required=True,
+                   help="JSON file: {\"runs\": [{id, module, argv, env, accelerate, rank}], \"imports\": [...]}")
+    p.add_argument("--dir", required=True, help="the session's folder (progress and error files)")
+    args = p.parse_args(argv)
+    plan = json.loads(Path(args.plan).read_text())
+    rank = int(os.environ.get("RANK", "0"))
+    progress = open(Path(args.dir) / f"progress.rank{rank}", "a", buffering=1)  # noqa: SIM115 - open to the end
+    prepare(plan.get("imports", ()))
+    progress.write(f"ready - {time.time():.3f} {time.process_time():.3f}\n")
+    for index, run in enumerate(plan["runs"]):
+        alone = run.get("rank") is not None  # one process: this rank's share, before the group exists
+        if alone and run["rank"] != rank:
+            continue
+        print(f"[zerofix session] start {run['id']}", flush=True)
+        progress.write(f"start {index} {time.time():.3f} {time.process_time():.3f}\n")
+        try:
+            with one_process() if alone else _nothing():
+                os.environ.update(run.get("env", {}))
+                if run.get("accelerate"):  # what `accelerate launch` with this config would have set
+                    from zerofix.check import launch
+
+                    world = int(os.environ.get("WORLD_SIZE", "1"))
+                    os.environ.update(launch.accelerate_env(run["accelerate"], nproc=world))
+                seed_everything()
+                importlib.import_module(run["module"]).run(list(run["argv"]))
+                reset()
+        except BaseException:
+            # Which run failed, for the launcher (several one-process runs may be under way on different ranks);
+            # then the session ends: the ranks of a failed run cannot be trusted with the next run's collectives.
+            (Path(args.dir) / f"error.rank{rank}").write_text(json.dumps(
+                {"index": index, "traceback": traceback.format_exc()[-8000:]}))
+            raise
+        if not alone:
+            barrier()
+        progress.write(f"done {index} {time.time():.3f} {time.process_time():.3f}\n")
+    progress.close()
+    from zerofix.check.scenarios import finish
+
+    finish()
+
+
+# What `torchrun --nproc_per_node 1` sets for its rank (the launcher's own bookkeeping variables aside).
+ONE_PROCESS = {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0", "WORLD_SIZE": "1",
+               "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "1", "LOCAL_SIZE": "1"}
+
+
+@contextlib.contextmanager
+def one_process():
+    """A run of one process on a rank of a larger session, before that session's process group exists: the
+    environment a one-rank launch gives its rank, with a store of its own (a free port, not the launcher's: nothing
+    of it can reach the session's own group). accelerate makes a gloo group of one there (as under a one-rank
+    launch); it is destroyed after the run. DeepSpeed's communication state is not undone: a run that starts it
+    needs a session of its own (``runner.Request(needs_group=True)``), and fails here if it was not given one."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    os.environ.update(ONE_PROCESS, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False")
+    yield
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if comm is not None and getattr(comm, "cdb", None) is not None:
+        raise RuntimeError("a run of one process started DeepSpeed's communication: it needs a session of its own "
+                           "(runner.Request(needs_group=True))")
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise RuntimeError(f"a run of one process made a group of {dist.get_world_size()}")
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
+
+
+def prepare(imports) -> None:
+    """Once per session: count collectives before DeepSpeed can keep references to torch's functions (the probes
+    of ds_accumulation read the count), import the libraries the runs use and every module zerofix would patch
+    (so that every run of every session sees the same fixes applied, whichever runs came before it), then freeze
+    what exists so that DeepSpeed 0.18.x's gc.collect() calls scan only the runs' own objects."""
+    from zerofix.check import collectives
+
+    collectives.install()
+    for name in imports:
+        importlib.import_module(name)
+    for name in _patched_modules():
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a target absent from this release: its fix says so in its status
+            pass
+    freeze_once()
+
+
+def _patched_modules() -> list[str]:
+    """The modules of the catalogue's targets, for every fix whose library is installed in a version in its range."""
+    from zerofix import catalogue
+    from zerofix.versions import installed_version, version_in_range
+
+    out = []
+    for fix in catalogue.FIXES:
+        version = installed_version(fix.dist)
+        if version and version_in_range(version, fix.affected):
+            out += [t.module for t in fix.targets if t.module not in out]
+    return out
+
+
+_frozen = False
+
+
+def freeze_once() -> None:
+    """``gc.freeze()`` once per process, after the libraries are imported (a scenario calls it too: in a session
+    the session's call is the one that counts, and a second one would freeze a run's own objects for good)."""
+    global _frozen
+    if not _frozen:
+        _frozen = True
+        gc.freeze()
+
+
+def seed_everything() -> None:
+    """The same random state at the start of every run, whatever ran before it."""
+    import random
+
+    import torch
+
+    random.seed(_SEED)
+    torch.manual_seed(_SEED)
+    try:
+        import numpy
+
+        numpy.random.seed(_SEED)
+    except ImportError:
+        pass
+
+
+def reset() -> None:
+    """Put back what a run leaves in the process (see the module docstring)."""
+    import torch
+
+    import zerofix
+
+    zerofix.unpatch()  # every fix, opt-in ones included, and what each saw (runtime details)
+    if "accelerate" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    if "transformers.integrations.deepspeed" in sys.modules:
+        sys.modules["transformers.integrations.deepspeed"].unset_hf_deepspeed_config()
+    os.environ.clear()
+    os.environ.update(_ENVIRON)
+    torch.set_grad_enabled(True)
+    torch.set_default_dtype(torch.float32)
+    gc.collect()
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    # Run the importable module's main, not this __main__ copy: the scenarios import zerofix.check.session, and its
+    # state (the gc freeze done once) must be the one this session set.
+    from zerofix.check.session import main as session_main
+
+    session_main()
