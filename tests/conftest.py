@@ -109,8 +109,8 @@ def declared_requests(item, stack) -> list:
     params = {**getattr(getattr(item, "callspec", None), "params", {}), "stack": stack}
     out = []
     for marker in item.iter_markers("ranks"):
-        builder = marker.args[0]
-        out += builder(**{name: params[name] for name in inspect.signature(builder).parameters})
+        builder = marker.args[0]  # its parameters named like the test's (a defaulted one may be left out)
+        out += builder(**{name: params[name] for name in inspect.signature(builder).parameters if name in params})
     return out
 
 

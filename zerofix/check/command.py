@@ -98,7 +98,9 @@ def main(args, parser) -> int:
     try:
         from zerofix.check import measure
 
-        results = measure.run(checked, workdir=workdir, timeout=args.timeout, found=found, progress=report.progress)
+        timings = {}
+        results = measure.run(checked, workdir=workdir, timeout=args.timeout, found=found, progress=report.progress,
+                              timings=timings)
     except KeyboardInterrupt:
         print("\nzerofix check: interrupted (the running ranks were stopped)", file=sys.stderr)
         _remove(workdir, args)
@@ -113,7 +115,7 @@ def main(args, parser) -> int:
     elif not args.workdir:
         _remove(workdir, args)
     document = {"versions": found, "nproc": nproc, "quick": args.quick, "seconds": round(seconds, 1),
-                "exit_code": code, "scenarios": results}
+                "exit_code": code, "scenarios": results, "timings": timings}
     if user:
         cfg = user["config"]
         document["configuration"] = {"file": cfg.path, "resolved": cfg.ds, "summary": cfg.summary(),

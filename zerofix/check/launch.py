@@ -103,13 +103,15 @@ _START = "[zerofix session] start "
 
 
 def run_session(runs, *, nproc: int, session_dir: Path, env: dict | None = None, python: str = sys.executable,
-                imports=(), poll: float = 0.1, on_start=None, on_end=None) -> dict[str, Outcome]:
+                imports=(), patched_modules: bool = True, poll: float = 0.1, on_start=None,
+                on_end=None) -> dict[str, Outcome]:
     """Run ``runs`` in order on one set of ``nproc`` ranks (``zerofix.check.session``); {run id: Outcome}.
 
     A run that hangs past its limit (every rank is killed) or crashes fails alone, with its own cause (the failing
     rank's traceback from the session's output since that run started); a fresh session runs the runs after it.
     ``imports``: modules the session imports before its first run (then frozen out of the garbage collector's
-    way). ``on_start(run)`` and ``on_end(run, outcome)`` are called as runs start and end (whatever their outcome)."""
+    way), with every module zerofix would patch unless ``patched_modules`` is False. ``on_start(run)`` and
+    ``on_end(run, outcome)`` are called as runs start and end (whatever their outcome)."""
     session_dir = Path(session_dir)
     session_dir.mkdir(parents=True, exist_ok=True)
     if len({r.id for r in runs}) != len(runs):
@@ -128,7 +130,7 @@ def run_session(runs, *, nproc: int, session_dir: Path, env: dict | None = None,
         attempt += 1
         for run in pending:
             Path(run.out).mkdir(parents=True, exist_ok=True)
-        plan = {"imports": list(imports), "runs": [
+        plan = {"imports": list(imports), "patched_modules": patched_modules, "runs": [
             {"id": r.id, "module": r.module, "argv": [*r.argv, "--out", str(r.out)], "env": dict(r.env),
              "accelerate": json.loads(r.accelerate) if r.accelerate else None, "rank": r.rank} for r in pending]}
         (folder / "plan.json").write_text(json.dumps(plan, indent=1))
@@ -257,25 +259,27 @@ def _progress(folder: Path, nproc: int) -> tuple[dict, dict]:
     return starts, dones
 
 
-def timings(session_dir: Path) -> dict:
-    """Where a session's time went, from its progress files (every launch of it): per rank, the seconds and CPU
-    seconds from the launch to the ranks' libraries imported (``ready``: the launcher and the imports), and per
-    run index the seconds and CPU seconds each rank spent in it."""
-    out = {"launches": []}
-    for folder in sorted(Path(session_dir).glob("launch*")):
+def timings(session_dir: Path) -> list[dict]:
+    """Where a session's time went, per launch of it (a fresh one follows a run that hung or crashed): per rank, the
+    seconds and CPU seconds from the launch to the ranks' libraries imported (``ready``: the launcher's start and
+    the imports), and per run id the seconds and CPU seconds each rank spent in it."""
+    out = []
+    for folder in sorted(Path(session_dir).glob("launch*"), key=lambda p: int(p.name[len("launch"):])):
+        plan = json.loads((folder / "plan.json").read_text())
         began = (folder / "plan.json").stat().st_mtime
         ranks = []
         for path in sorted(folder.glob("progress.rank*")):
             rows = [line.split() for line in path.read_text().splitlines() if len(line.split()) == 4]
-            ready = next(((float(r[2]), float(r[3])) for r in rows if r[0] == "ready"), None)
+            ready = next(([round(float(r[2]) - began, 2), round(float(r[3]), 2)] for r in rows if r[0] == "ready"), None)
             runs, opened = {}, {}
             for event, index, wall, cpu in rows:
                 if event == "start":
                     opened[index] = (float(wall), float(cpu))
                 elif event == "done" and index in opened:
-                    runs[int(index)] = (float(wall) - opened[index][0], float(cpu) - opened[index][1])
-            ranks.append({"ready": ready and (ready[0] - began, ready[1]), "runs": runs})
-        out["launches"].append({"folder": str(folder), "ranks": ranks})
+                    runs[plan["runs"][int(index)]["id"]] = [round(float(wall) - opened[index][0], 2),
+                                                            round(float(cpu) - opened[index][1], 2)]
+            ranks.append({"ready": ready, "runs": runs})
+        out.append({"launch": folder.name, "ranks": ranks})
     return out
 
 

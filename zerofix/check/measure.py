@@ -11,8 +11,10 @@ from zerofix.check import plan as plans
 from zerofix.check import verdict
 
 
-def run(plan: plans.Plan, *, workdir: Path, timeout: float, found: dict, progress=None) -> list[dict]:
-    """One result dict per row, in plan order (skipped rows with their reason)."""
+def run(plan: plans.Plan, *, workdir: Path, timeout: float, found: dict, progress=None,
+        timings: dict | None = None) -> list[dict]:
+    """One result dict per row, in plan order (skipped rows with their reason); ``timings`` (a dict) is filled with
+    where the sessions' time went (``runner.Batch.timings``)."""
     from zerofix.check import jobs, launch, runner
 
     results, by_job = {}, {}
@@ -51,6 +53,8 @@ def run(plan: plans.Plan, *, workdir: Path, timeout: float, found: dict, progres
                 results[row.name] = _row_result(row, measured.get(row.name), failure, seconds, found)
     finally:
         reader.shutdown(cancel_futures=True)
+        if timings is not None:
+            timings.update(batch.timings())
     for name, failure in failures.items():
         for row in by_job[name]:
             results[row.name] = _row_result(row, None, failure, 0.0, found)

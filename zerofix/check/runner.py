@@ -27,7 +27,8 @@ class Request:
     name ``{out}``, the request's folder, into which ``files`` ((name, text) pairs) are written first, and ``{root}``,
     the batch's (what runs share: a model the first run that needs it makes). ``env``: variables for this run
     only; ``accelerate``: an accelerate config (JSON) whose ``accelerate launch`` variables the run gets too. ``bound``: ``(request, factor, minimum)``: a limit of ``factor`` times that request's run time (at least
-    ``minimum`` seconds) instead of ``timeout``. ``needs_group``: False for a one-process run that makes no process
+    ``minimum`` seconds) instead of ``timeout``. ``imports``: the libraries the run uses (its session imports them,
+    and every module zerofix patches, before its first run). ``needs_group``: False for a one-process run that makes no process
     group (a Trainer or accelerate loop without DeepSpeed), which a larger session's ranks can run before their
     own group exists. ``interpret(folder, records)``: what ``Batch.result`` returns."""
 
@@ -119,8 +120,10 @@ class Batch:
             runs = [self._run(r, hosted.get(r.key)) for r in group]
             imports = tuple(dict.fromkeys(m for r in group for m in (*r.imports, r.module)))
             try:
+                # the modules zerofix patches only where a run uses a library (not for runs that train nothing)
                 launch.run_session(runs, nproc=nproc, session_dir=self.root / f"session-{nproc}", python=self.python,
-                                   imports=imports, on_start=started, on_end=ended)
+                                   imports=imports, patched_modules=any(r.imports for r in group),
+                                   on_start=started, on_end=ended)
             finally:
                 first_run.set()
 
@@ -157,6 +160,19 @@ class Batch:
         return launch.Run(id=request.key, module=request.module, out=out, env=request.env, timeout=request.timeout,
                           accelerate=request.accelerate and placed(request.accelerate), bound=bound, rank=rank,
                           argv=tuple(placed(str(a)) for a in request.argv))
+
+    def timings(self) -> dict:
+        """Per session (by its number of ranks), per launch: each rank's start-up (seconds and CPU seconds from the
+        launch to its libraries imported) and the seconds and CPU seconds it spent in each run (by request name)."""
+        names = {key: f"{r.name}-{key}" for key, r in self._requests.items()}
+        out = {}
+        for session in sorted(self.root.glob("session-*")):
+            out[session.name[len("session-"):]] = [
+                {"launch": launch_["launch"], "ranks": [
+                    {"ready": rank["ready"], "runs": {names.get(k, k): v for k, v in rank["runs"].items()}}
+                    for rank in launch_["ranks"]]}
+                for launch_ in launch.timings(session)]
+        return out
 
     def outcome(self, request: Request) -> launch.Outcome:
         if request.key not in self._outcomes:

@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     plan = json.loads(Path(args.plan).read_text())
     rank = int(os.environ.get("RANK", "0"))
     progress = open(Path(args.dir) / f"progress.rank{rank}", "a", buffering=1)  # noqa: SIM115 - open to the end
-    prepare(plan.get("imports", ()))
+    prepare(plan.get("imports", ()), patched_modules=plan.get("patched_modules", True))
     progress.write(f"ready - {time.time():.3f} {time.process_time():.3f}\n")
     for index, run in enumerate(plan["runs"]):
         alone = run.get("rank") is not None  # one process: this rank's share, before the group exists
@@ -119,17 +119,18 @@ def _nothing():
     yield
 
 
-def prepare(imports) -> None:
+def prepare(imports, *, patched_modules: bool = True) -> None:
     """Once per session: count collectives before DeepSpeed can keep references to torch's functions (the probes
     of ds_accumulation read the count), import the libraries the runs use and every module zerofix would patch
-    (so that every run of every session sees the same fixes applied, whichever runs came before it), then freeze
-    what exists so that DeepSpeed 0.18.x's gc.collect() calls scan only the runs' own objects."""
+    (so that every run of every session sees the same fixes applied, whichever runs came before it; a session of
+    runs that use no ML library, ``patched_modules`` False, skips them), then freeze what exists so that DeepSpeed
+    0.18.x's gc.collect() calls scan only the runs' own objects."""
     from zerofix.check import collectives
 
     collectives.install()
     for name in imports:
         importlib.import_module(name)
-    for name in _patched_modules():
+    for name in _patched_modules() if patched_modules else ():
         try:
             importlib.import_module(name)
         except ImportError:  # a target absent from this release: its fix says so in its status

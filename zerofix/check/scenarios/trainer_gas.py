@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from zerofix.check.session import freeze_once
@@ -153,7 +152,7 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         return models.next_token_ce(outputs.logits, labels, "mean")
 
     training_args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="zerofix-trainer-"), per_device_train_batch_size=args.bs,
+        output_dir=str(out / f"trainer-{variant}"), per_device_train_batch_size=args.bs,
         gradient_accumulation_steps=args.gas, max_steps=args.steps if not args.samples else -1,
         num_train_epochs=args.epochs, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=args.max_grad_norm, bf16=args.bf16, optim="sgd", report_to="none",
