@@ -83,6 +83,9 @@ def pytest_collection_modifyitems(config, items):
         marker = item.get_closest_marker("stack")
         if marker and stack not in marker.args:
             item.add_marker(pytest.mark.skip(reason=f"runs on stack {'/'.join(marker.args)}, this is {stack}"))
+        elif item.get_closest_marker("stack_independent") and stack not in (None, "latest"):
+            item.add_marker(pytest.mark.skip(reason="depends on no library the stacks differ in (torch is the same build "
+                                                    "on every stack): runs on latest (CI time)"))
     # A smoke test that re-runs a few cells of its module's matrix is only worth its time when the matrix
     # itself is not selected (the fast tier): next to the full tier it would train the same cells twice.
     full = {item.module.__name__ for item in items
@@ -121,8 +124,30 @@ def ranks(request, tmp_path_factory):
 
     batch = runner.Batch(tmp_path_factory.mktemp("ranks"))
     batch.add(*getattr(request.config, "_zerofix_requests", ()))
+    request.config._zerofix_batch = batch
     batch.run()
     return batch
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Where the batch's time went (pytest's durations show it as one fixture's setup): per session, the ranks'
+    start-up and the longest runs, wall seconds (CPU seconds of the busiest rank)."""
+    batch = getattr(config, "_zerofix_batch", None)
+    if batch is None:
+        return
+    terminalreporter.section("the batch of distributed runs")
+    for ranks_, launches in batch.timings().items():
+        for launch_ in launches:
+            ready = max((r["ready"] or [0, 0] for r in launch_["ranks"]), key=lambda r: r[0])
+            runs = {}
+            for rank in launch_["ranks"]:
+                for name, (wall, cpu) in rank["runs"].items():
+                    runs[name] = max(runs.get(name, (0, 0)), (wall, cpu))
+            total = sum(w for w, _ in runs.values())
+            terminalreporter.write_line(f"session of {ranks_} rank(s), {launch_['launch']}: ranks ready after "
+                                        f"{ready[0]:.1f} s, {len(runs)} runs in {total:.1f} s")
+            for name, (wall, cpu) in sorted(runs.items(), key=lambda kv: -kv[1][0])[:8]:
+                terminalreporter.write_line(f"  {wall:7.2f} s ({cpu:.2f} s CPU)  {name}")
 
 
 @pytest.fixture(scope="session")

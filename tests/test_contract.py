@@ -12,6 +12,8 @@ import pytest
 
 from conftest import run_python
 
+pytestmark = pytest.mark.stack_independent  # the same on every stack: runs on latest (CI time)
+
 FAKELIB_CORE = """
 class Engine:
     def step(self, x):

@@ -5,6 +5,8 @@ import pytest
 
 from zerofix.counter import FLUSH, FOLLOW, LAZY, PASS, STEP, MicroStepCounter
 
+pytestmark = pytest.mark.stack_independent  # the same on every stack: runs on latest (CI time)
+
 
 def drive(calls, *, gas=1, explicit=None, may_take_over=None, modes=None, api=None):
     """Replay a loop: 'b' = backward, 's' = step(), 'r' = a gradient read that reduces a lazy window,

@@ -7,6 +7,8 @@ import pytest
 
 from zerofix.fixes.deepspeed_manual_accumulation import _eligibility
 
+pytestmark = pytest.mark.stack_independent  # the same on every stack: runs on latest (CI time)
+
 
 class Engine:
     def __init__(self, optimizer, *, fp16=False, bf16=False, managed=True, pipeline=False, flag=True):

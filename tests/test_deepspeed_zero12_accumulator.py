@@ -12,6 +12,8 @@ import torch
 
 from zerofix.fixes import deepspeed_zero12_accumulator as accumulator
 
+pytestmark = pytest.mark.stack_independent  # the same on every stack: runs on latest (CI time)
+
 
 class Broken:
     cpu_offload = False

@@ -12,6 +12,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from zerofix.divergence import chunked_divergence  # noqa: E402
 
+pytestmark = pytest.mark.stack_independent  # the same on every stack: runs on latest (CI time)
+
 B, K, H_S, H_T, V = 3, 11, 12, 9, 29  # the teacher may be wider or narrower; only the vocabulary is shared
 
 

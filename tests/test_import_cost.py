@@ -1,4 +1,7 @@
+import pytest
 from conftest import run_python
+
+pytestmark = pytest.mark.stack_independent  # the same on every stack: runs on latest (CI time)
 
 ML = ("torch", "deepspeed", "transformers", "accelerate", "trl", "wrapt")
 

@@ -10,6 +10,8 @@ torch = pytest.importorskip("torch")
 
 from zerofix import num_items_watch as watch  # noqa: E402
 
+pytestmark = pytest.mark.stack_independent  # the same on every stack: runs on latest (CI time)
+
 
 def normalised(logits, labels, num_items_in_batch=None):
     """transformers' fixed_cross_entropy: sum / num_items_in_batch, after moving the count to the loss's device."""

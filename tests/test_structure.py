@@ -11,6 +11,8 @@ from conftest import ROOT
 from zerofix import catalogue
 from zerofix.fixes import contract
 
+pytestmark = pytest.mark.stack_independent  # the same on every stack: runs on latest (CI time)
+
 PACKAGE = ROOT / "zerofix"
 # Used only by the package face, environment activation and the CLI (benchmarks live outside the package).
 PATCHING_USERS = {"zerofix", "zerofix.activation", "zerofix.cli"}

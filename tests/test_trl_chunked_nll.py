@@ -28,6 +28,7 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("deepspeed")
 
+import json  # noqa: E402
 import os  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -138,8 +139,12 @@ def test_r4_uneven_chunks_hang_unpatched_and_train_like_full_logits_patched(rank
     assert all(s["head_gathers"] == 2 for r in patched for s in r["steps"]), [r["steps"] for r in patched]
     with pytest.raises(launch.LaunchError, match="timed out"):
         ranks.records(unpatched_request)
-    # the hung ranks were killed (their session's plan is under the batch's folder)
+    # the hung ranks were killed (their session's plan is under the batch's folder), and their DeepSpeed segments
+    # removed (a stale one stalls a later session given the same port)
     assert processes_under(ranks.root) == []
+    for master in ranks.root.glob("session-*/launch*/master.json"):
+        group = json.loads(master.read_text())
+        assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer*_{group['MASTER_ADDR']}_{group['MASTER_PORT']}_*"))
 
 
 def r3():

@@ -136,8 +136,11 @@ def run_session(runs, *, nproc: int, session_dir: Path, env: dict | None = None,
         (folder / "plan.json").write_text(json.dumps(plan, indent=1))
         cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                "-m", SESSION, "--plan", str(folder / "plan.json"), "--dir", str(folder)]
-        finished, failed, error = _watch(cmd, pending, outcomes, ended, nproc=nproc, folder=folder, env=env,
-                                         poll=poll, on_start=on_start)
+        try:
+            finished, failed, error = _watch(cmd, pending, outcomes, ended, nproc=nproc, folder=folder, env=env,
+                                             poll=poll, on_start=on_start)
+        finally:
+            _remove_segments(folder)
         if error is None and len(finished) == len(pending):
             break
         left = [i for i in range(len(pending)) if i not in finished]
@@ -232,6 +235,18 @@ def _first_error(folder: Path) -> tuple[int, str] | None:
     collective it waited in broke)."""
     errors = _errors(folder)
     return (errors[0][1], errors[0][2].get("traceback", "")) if errors else None
+
+
+def _remove_segments(folder: Path) -> None:
+    """The DeepSpeed segments of a session that ended (a killed or crashed rank leaves its own: ``shm``)."""
+    from zerofix.check import shm
+
+    try:
+        master = json.loads((folder / "master.json").read_text())
+    except (OSError, ValueError):
+        return
+    if master.get("MASTER_ADDR") and master.get("MASTER_PORT"):
+        shm.unlink(master["MASTER_ADDR"], master["MASTER_PORT"])
 
 
 def _failed_index(folder: Path, left: list[int]) -> int | None:

@@ -82,6 +82,9 @@ class Batch:
         pending = [r for k, r in self._requests.items() if k not in self._outcomes]
         if not pending:
             return
+        from zerofix.check import shm
+
+        shm.clear_stale()  # a segment a killed rank left behind would stall a session given its port
         bar = self.progress(len(pending)) if self.progress else None
         lock = threading.Lock()
         requests = {r.key: r for r in pending}

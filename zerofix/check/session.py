@@ -48,6 +48,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     plan = json.loads(Path(args.plan).read_text())
     rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:  # the process group's address, for the launcher to remove its DeepSpeed segments however it ends
+        (Path(args.dir) / "master.json").write_text(json.dumps({k: os.environ.get(k) for k in ("MASTER_ADDR",
+                                                                                              "MASTER_PORT")}))
     progress = open(Path(args.dir) / f"progress.rank{rank}", "a", buffering=1)  # noqa: SIM115 - open to the end
     prepare(plan.get("imports", ()), patched_modules=plan.get("patched_modules", True))
     progress.write(f"ready - {time.time():.3f} {time.process_time():.3f}\n")

@@ -57,19 +57,12 @@ def finish() -> None:
 
 
 def _unlink_deepspeed_shm_buffer() -> None:
-    """DeepSpeed's CPU comm op maps a 66 MiB /dev/shm segment per rank
-    (``deepspeed_allreduce_buffer[_<n>]_<addr>_<port>_<rank>``) and unlinks it only at interpreter teardown,
-    which ``os._exit`` skips: without this, every run leaked 132 MiB of RAM (21 GiB after a day's tests).
-    Called after the barrier, when no rank maps its peers' segments any more."""
+    """This rank's DeepSpeed segment (``zerofix.check.shm``), which ``os._exit`` would leave behind (every run leaked
+    132 MiB of RAM without this). Called after the barrier, when no rank maps its peers' segments any more."""
     import os
 
     addr, port, rank = (os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK"))
     if addr and port and rank:
-        import glob
+        from zerofix.check import shm
 
-        # deepspeed_allreduce_buffer[_<n>]_<addr>_<port>_<rank> (the index came with later releases)
-        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer*_{addr}_{port}_{rank}"):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        shm.unlink(addr, port, rank)
