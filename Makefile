@@ -14,7 +14,7 @@ extras = deepspeed,hf,dev$(if $(filter latest 2026-04,$(1)),$(comma)plot$(comma)
 FAST_TIER = -m "not (distributed or slow) or smoke"
 REST_OF_FULL_TIER = -m "(distributed or slow) and not smoke"
 
-.PHONY: check test test-all test-rest venv clean bench bench-ds
+.PHONY: check test test-all test-rest venv warm clean bench bench-ds
 .PRECIOUS: .venvs/%/.installed $(UV) $(TORCH_WHEELS)/.fetched
 
 # uv installs (about 25 s a stack where pip took about 55: parallel, its cache shared by every stack's build), in a
@@ -47,6 +47,10 @@ $(TORCH_WHEELS)/.fetched:
 	touch $@
 
 venv: $(call venv,$(STACK))
+
+## The environment and DeepSpeed's CPU op (JIT-built by a stack's first run otherwise: about 30 s of both cores).
+warm: $(call venv,$(STACK))
+	.venvs/$(STACK)/bin/python -m zerofix.check.prebuild
 
 ## The main job: `zerofix check` on the pinned stack (every scenario unpatched and patched against the
 ## single-process reference). Exit 1 means a scenario is WRONG or failed; the table says which and why.

@@ -148,6 +148,23 @@ def test_a_one_process_run_that_crashes_is_told_apart_from_its_neighbour(tmp_pat
     assert [r["sum"] for r in batch.result(group)] == [3.0, 3.0]
 
 
+@pytest.mark.slow
+@pytest.mark.stack("latest")  # DeepSpeed's own builder, called as its communication backend calls it
+def test_prebuild_puts_deepspeed_s_cpu_op_where_the_ranks_look_for_it():
+    """``make warm``: the op a stack's first run would build is built, in the extensions directory the ranks use
+    (where CI warmed this stack, or an earlier run built it, DeepSpeed finds it there and builds nothing)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("deepspeed")
+    done = subprocess.run([sys.executable, "-m", "zerofix.check.prebuild"], capture_output=True, text=True,
+                          env=launch.scenario_env(), timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    where = Path(launch.scenario_env()["TORCH_EXTENSIONS_DIR"])
+    assert f"built in {where}" in done.stdout
+    assert list(where.glob("deepspeed_shm_comm*/deepspeed_shm_comm*.so")), sorted(where.rglob("*"))
+
+
 @pytest.mark.distributed
 @pytest.mark.stack("latest")  # the runner's own behaviour: one stack is enough (CI time)
 def test_a_launch_that_never_starts_fails_every_run_with_its_cause(tmp_path):

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from zerofix.check.scenarios.trainer_gas import final_weights, step_without_grad_mode, user_config
-from zerofix.check.session import freeze_once
+from zerofix.check.session import collect_and_freeze, freeze_once
 
 BATCH = 2
 
@@ -126,6 +126,7 @@ def run(argv=None):
             cell_out = out / cell["name"]
             cell_out.mkdir(parents=True, exist_ok=True)
             train(args, cell, variant, cell_out, world, rank)
+            collect_and_freeze()  # see ds_accumulation: the next cell's collections skip what this one left
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from zerofix.check import accumulation, collectives, models, reference
-from zerofix.check.session import freeze_once
+from zerofix.check.session import collect_and_freeze, freeze_once
 
 FIX = "deepspeed-manual-accumulation"  # the fix whose per-engine runtime the results carry
 
@@ -247,7 +247,7 @@ def run_cell(cell, init_state, rank, world, checkpoint_dir: Path) -> dict:
     runtime = _runtime(engine)
     probe_events = probe.events if probe is not None else None
     del engine, probe
-    gc.collect()
+    collect_and_freeze()  # the next cell's collections (DeepSpeed 0.18.x: three per engine) skip what this one left
     result = {"snapshots": snapshots, "norms": norms, "runtime": runtime}
     if cell.probe:
         result.update(events=probe_events, window_reads=window_reads)

@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from zerofix.check.session import freeze_once
+from zerofix.check.session import collect_and_freeze, freeze_once
 
 
 def parse_args(argv=None):
@@ -230,6 +230,7 @@ def run(argv=None):
             zerofix.patch()
         for run_args, run_out in runs:
             train(run_args, variant, run_out, world, rank)
+            collect_and_freeze()  # see ds_accumulation: the next trainer's collections skip what this one left
 
 
 if __name__ == "__main__":

@@ -15,12 +15,12 @@ the step) and ``<trainer>-init.pt``.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import tempfile
 from pathlib import Path
 
 from zerofix.check.scenarios.trl_sft import ensure, make_model_dir
+from zerofix.check.session import collect_and_freeze
 
 SEQ, PROMPT, PER_DEVICE, GAS = 10, 4, 2, 4
 VOCAB = 64
@@ -140,7 +140,7 @@ def train(args) -> dict:
                 details = [s.runtime for s in zerofix.status() if s.id == "transformers-trainer-scaling"]
                 record[f"{name}-{variant}-{run}"] = {"runtime": [dict(d) for d in (details[0] if details else ())][-1:]}
                 del model, trainer
-                gc.collect()
+                collect_and_freeze()
     return record
 
 

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerofix.check.session import collect_and_freeze
+
 VOCAB, HIDDEN, BATCH, SEQ, STEPS, LR = 40, 16, 2, 12, 2, 5.0
 COUNTS = {"loss_forward": 0, "backward": 0, "other": 0, "api": 0}
 _PHASE = ["other"]
@@ -243,6 +245,7 @@ def run(argv=None) -> None:
             torch.save(result["snapshots"], out / f"{cell['name']}.pt")
         result.pop("snapshots")
         record["cells"][cell["name"]] = result
+        collect_and_freeze()  # see ds_accumulation: the next cell's collections skip what this one left
         dist.barrier()
     (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
 

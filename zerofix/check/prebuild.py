@@ -1,0 +1,37 @@
+"""Build DeepSpeed's CPU communication op ahead of the first run: ``python -m zerofix.check.prebuild``.
+
+DeepSpeed JIT-builds it on CPU the first time a process group starts in a fresh extensions directory (about 30 s
+of both cores, once per environment), and every rank of that first run waits for it. Built here, into the directory
+the scenarios' ranks use (``launch.scenario_env``), with the same builder DeepSpeed's communication backend calls,
+the first run finds it built. CI builds the next stack's op while the previous stack's tests run (``make warm``).
+Nothing else changes: the op, its flags and its directory are DeepSpeed's own; a release without the op, or without
+DeepSpeed, is left alone (the runs then build nothing either).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from zerofix.check.launch import scenario_env
+
+
+def main() -> int:
+    env = scenario_env({"DS_ACCELERATOR": "cpu"})
+    os.environ["TORCH_EXTENSIONS_DIR"] = env["TORCH_EXTENSIONS_DIR"]
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        from deepspeed.accelerator import get_accelerator
+    except ImportError:
+        print("prebuild: DeepSpeed is not installed: nothing to build")
+        return 0
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None:
+        print("prebuild: this DeepSpeed release has no CPU communication op: nothing to build")
+        return 0
+    builder.load()
+    print(f"prebuild: DeepSpeed's CPU communication op is built in {env['TORCH_EXTENSIONS_DIR']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
