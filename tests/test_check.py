@@ -191,14 +191,18 @@ def test_progress_is_whole_lines_when_not_a_terminal():
     import io
 
     stream = io.StringIO()
-    bar = report.progress(2, stream)
-    for name in ("trainer-1proc", "deepspeed"):
+    bar = report.progress(3, stream)
+    for name in ("trainer-1proc", "deepspeed"):  # two sessions side by side: both start before either ends
         bar.set_description(name)
-        bar.update(1)
+    bar.update(1)
+    bar.set_description("zero3-loss")
+    bar.update(2)
     bar.close()
-    assert stream.getvalue() == "zerofix check: run 1/2: trainer-1proc\nzerofix check: run 2/2: deepspeed\n"
+    assert stream.getvalue() == ("zerofix check: run 1/3: trainer-1proc\nzerofix check: run 2/3: deepspeed\n"
+                                 "zerofix check: run 3/3: zero3-loss\n")
 
 
+@pytest.mark.stack_independent
 def test_make_check_exits_with_the_checks_status(tmp_path):
     """`make check` in a user's CI fails when the check does (a WRONG row exits 1): the recipe, run with a stand-in
     for the stack's zerofix that exits 1."""
@@ -214,7 +218,11 @@ def test_make_check_exits_with_the_checks_status(tmp_path):
     bin_dir.mkdir(parents=True)
     (bin_dir / "zerofix").write_text("#!/bin/sh\necho 'a WRONG row'\nexit 1\n")
     (bin_dir / "zerofix").chmod(0o755)
-    (tmp_path / ".venvs" / "fake" / ".installed").touch()  # newer than the files it depends on: no rebuild
+    # the order-only prerequisites present (the tools environment, torch's wheel) and the stack's marker newer than
+    # the files it depends on: nothing is built (no download)
+    for made in (".venvs/.tools/bin/uv", ".venvs/.wheels/.fetched", ".venvs/fake/.installed"):
+        (tmp_path / made).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / made).touch()
     proc = subprocess.run(["make", "-s", "check", "CHECK_STACK=fake"], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode != 0 and "zerofix check exited with 1" in proc.stdout, (proc.returncode, proc.stdout)
     (bin_dir / "zerofix").write_text("#!/bin/sh\nexit 0\n")

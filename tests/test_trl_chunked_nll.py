@@ -121,9 +121,10 @@ def processes_under(path: Path) -> list[int]:
 
 
 def r4():
-    """The reference, the patched run, then (last) the unpatched one with a limit of 3 x the patched run's time."""
+    """The reference, the patched run, then (last) the unpatched one with a limit of 10 x the patched run's time, at
+    least 10 s (the patched run takes about 1 s; the check's own row gives a user's machine at least 30 s)."""
     patched = sft("r4", "chunked_nll", zerofix=True)
-    return [sft("r4", "nll"), patched, sft("r4", "chunked_nll", late=True, bound=(patched, 3, 30.0))]
+    return [sft("r4", "nll"), patched, sft("r4", "chunked_nll", late=True, bound=(patched, 10, 10.0))]
 
 
 @pytest.mark.stack(*GATHER_STACKS)

@@ -103,17 +103,19 @@ class _NoBar:
 
 class _LineBar:
     """Progress as whole lines, for a log file or a CI's output (what tqdm and pip do there): one line per run as
-    it starts, no carriage returns."""
+    it starts, numbered as they start (two sessions run side by side: a run may start before the one before it ends),
+    no carriage returns."""
 
     def __init__(self, total: int, stream=None):
-        self.total, self.done, self.stream = total, 0, stream or sys.stderr
+        self.total, self.started, self.stream = total, 0, stream or sys.stderr
 
     def set_description(self, name):
-        self.stream.write(f"zerofix check: run {self.done + 1}/{self.total}: {name}\n")
+        self.started += 1
+        self.stream.write(f"zerofix check: run {self.started}/{self.total}: {name}\n")
         self.stream.flush()
 
     def update(self, n):
-        self.done += n
+        pass
 
     def close(self):
         pass
