@@ -159,7 +159,8 @@ _frozen = False
 
 def freeze_once() -> None:
     """``gc.freeze()`` once per process, after the libraries are imported (a scenario calls it too: in a session
-    the session's call is the one that counts, and a second one would freeze a run's own objects for good)."""
+    the session's call is the one that counts). Later freezes follow a full collection (``collect_and_freeze``), so
+    that no garbage is frozen with what survives."""
     global _frozen
     if not _frozen:
         _frozen = True
