@@ -16,9 +16,8 @@ from zerofix.check.launch import scenario_env
 
 
 def main() -> int:
-    env = scenario_env({"DS_ACCELERATOR": "cpu"})
-    os.environ["TORCH_EXTENSIONS_DIR"] = env["TORCH_EXTENSIONS_DIR"]
-    os.environ["DS_ACCELERATOR"] = "cpu"
+    where = scenario_env()["TORCH_EXTENSIONS_DIR"]
+    os.environ.update(TORCH_EXTENSIONS_DIR=where, DS_ACCELERATOR="cpu")
     try:
         from deepspeed.accelerator import get_accelerator
     except ImportError:
@@ -29,7 +28,7 @@ def main() -> int:
         print("prebuild: this DeepSpeed release has no CPU communication op: nothing to build")
         return 0
     builder.load()
-    print(f"prebuild: DeepSpeed's CPU communication op is built in {env['TORCH_EXTENSIONS_DIR']}")
+    print(f"prebuild: DeepSpeed's CPU communication op is built in {where}")
     return 0
 
 
