@@ -20,7 +20,7 @@ import torch
 from conftest import detect_stack, uses
 from zerofix import catalogue, versions
 from zerofix.check import accumulation, parity, reference
-from zerofix.check.accumulation import CORRECT, ERROR, NOOP, WRONG
+from zerofix.check.accumulation import CORRECT, ERROR, NO_UPDATE, NOOP, UNAVERAGED, WRONG
 
 FIX = "deepspeed-manual-accumulation"
 STACKS = ("latest", "2026-04", "2025-12", "2025-10", "2025-01")
@@ -41,6 +41,7 @@ TRANSPARENT = accumulation.transparency_matrix(metadata.version("deepspeed")) + 
 TAKEOVER = accumulation.takeover_probes(metadata.version("deepspeed"))
 DIRECT = accumulation.direct_backward_cells(metadata.version("deepspeed"))
 BF16 = accumulation.bf16_cells(metadata.version("deepspeed")) if NEWEST or STACK == "2025-01" else []
+BF16 += accumulation.bf16_accumulator_cells()  # deepspeed-bf16-boundary-reduction's range and both sides of it
 MATRIX = (accumulation.matrix() if NEWEST else accumulation.matrix(optimizers=("sgd",))
           + [accumulation.Cell(stage, 1, "a", "adamw") for stage in (0, 1, 2, 3)])  # the resumed cells' twins
 CELLS = list(dict.fromkeys(MATRIX + accumulation.extra_cells() + TRANSPARENT + TAKEOVER + DIRECT
@@ -87,6 +88,11 @@ def test_unpatched_shows_what_deepspeed_is_known_to_do(runs, cell):
         assert all(e and e.startswith("TypeError") for e in raised), raised
         return
     assert raised == [None] * runs["world"], raised
+    if known == UNAVERAGED:  # each rank's own boundary micro-batch in its partition: the measured error
+        measured = accumulation.MEASURED_UNAVERAGED[f"z{cell.stage}-gas{cell.gas}-{cell.style}"]
+        assert errors(runs, "unpatched", cell, CORRECT)[0] == pytest.approx(measured, abs=5e-3)
+        assert all(r["state"] == "inactive" for r in runs["unpatched"][cell.name]["runtime"])
+        return
     if known == WRONG:  # no simple rule: far from the window and from its last micro-batch
         assert min(max(errors(runs, "unpatched", cell, s)) for s in (CORRECT, accumulation.LAST)) > 0.5
         return
@@ -116,7 +122,7 @@ def test_patched_matches_the_reference(runs, cell):
     assert max(errors(runs, "patched", cell, semantics)) < tolerance(cell), semantics
     _, norms = expected(runs, cell, semantics)
     assert not cell.clip or not norms or min(norms) > cell.clip  # clipping really acts in style (e)
-    for rank_norms in result["norms"]:
+    for rank_norms in result["norms"] if semantics != NO_UPDATE else ():  # it has norms, and applies nothing
         if cell.stage == 0 and cell.dtype == "fp32":  # no norm for a ZeRO-0 torch optimizer (BF16_Optimizer has one)
             assert rank_norms == [None] * len(norms)
         else:
@@ -128,7 +134,7 @@ def test_patched_matches_the_reference(runs, cell):
         if cell.direct:  # loss.backward() never reaches engine.backward: the manual fix saw no engine
             assert seen is None, seen
             continue
-        updates = sum(len(w) for w in accumulation.updates(cell, semantics))
+        updates = sum(len(w) for w in accumulation.updates(cell, CORRECT if semantics == NO_UPDATE else semantics))
         if cell.resume:  # the resumed engine saw only the second window
             updates //= 2
         # several backwards per step() at config GAS > 1: followed, so DeepSpeed's step() applied nothing

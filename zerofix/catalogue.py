@@ -163,6 +163,25 @@ FIXES: tuple[Fix, ...] = (
         "ZeRO-1/2 manual accumulation raises TypeError",
     ),
     Fix(
+        id="deepspeed-bf16-boundary-reduction",
+        title="ZeRO-1 bf16 with an fp32 gradient accumulator: the boundary micro-batch is never averaged "
+        "across ranks",
+        dist="deepspeed",
+        # Measured 0.18.3 and 0.18.9 (broken), 0.19.8 (right); the structural check finds the broken order in
+        # every source from 0.18.3 to 0.18.9 and not in 0.18.0 - 0.18.2 (the gradients are added in
+        # optimizer.backward, before the all-reduce) or 0.19.0 (DeepSpeed PR #7985).
+        affected=">=0.18.3,<0.19.0",
+        targets=(
+            Target("deepspeed.runtime.engine", "DeepSpeedEngine._backward_epilogue",
+                   "zerofix.fixes.deepspeed_bf16_boundary_reduction:backward_epilogue"),
+        ),
+        implementation="zerofix.fixes.deepspeed_bf16_boundary_reduction",
+        upstream=("https://github.com/deepspeedai/DeepSpeed/pull/7985",),
+        fixed_in="0.19.0",
+        where="ZeRO-1, bf16 with data_types.grad_accum_dtype fp32 (DeepSpeed's BF16_Optimizer), 2+ ranks, any "
+        "loop: each boundary micro-batch reaches the update unaveraged, each rank's own in its partition",
+    ),
+    Fix(
         id="deepspeed-offload-accumulator",
         title="ZeRO-2 with optimizer offload applies only the first and last micro-batch of each window",
         dist="deepspeed",

@@ -44,6 +44,13 @@ TWICE = "twice"
 # the first (TAIL), or an update no simple rule describes (WRONG: far from both CORRECT and LAST); see
 # known_unpatched()
 ENDS, TAIL, WRONG = "ends", "tail", "wrong"
+# ZeRO-1 bf16 with an fp32 gradient accumulator (BF16_Optimizer) on 0.18.3 - 0.18.9: each boundary micro-batch
+# reaches the update unaveraged, each rank's own in the partition it owns (deepspeed-bf16-boundary-reduction);
+# no per-window reference describes it, the measured errors do (MEASURED_UNAVERAGED)
+UNAVERAGED = "unaveraged"
+# the same BF16_Optimizer on 0.18.3 applies no update at all on this CPU, with and without zerofix (every window's
+# parameters stay as they were; DeepSpeed #7837, fixed in 0.18.6 by PR #7839, is not backported yet)
+NO_UPDATE = "no-update"
 EXTRA_DIVISIONS = {DOUBLE: 1, TRIPLE: 2}  # how many more times than meant each loss is divided by GAS
 
 
@@ -64,6 +71,8 @@ class Cell(NamedTuple):
     dtype: str = "fp32"  # fp32 | bf16 | fp16: DeepSpeed's mixed-precision optimizers (fp32 master weights)
     length: int = 0  # micro-batches per window (0: the style's, 4 or 3); a user configuration's GAS
     grad_clip: float | None = None  # gradient_clipping (None: the style's, CLIP for e/f, else 0)
+    # bf16 with "data_types": {"grad_accum_dtype": "fp32"}: ZeRO-1 then runs DeepSpeed's BF16_Optimizer
+    accum_fp32: bool = False
 
     @property
     def name(self) -> str:
@@ -79,8 +88,9 @@ class Cell(NamedTuple):
         dtype = "" if self.dtype == "fp32" else f"-{self.dtype}"
         length = f"-len{self.length}" if self.length else ""
         clip = "" if self.grad_clip is None else f"-clip{self.grad_clip:g}"
+        accum = "-acc32" if self.accum_fp32 else ""
         return (f"z{self.stage}{overlap}-gas{self.gas}-{self.style}-{self.optimizer}{resume}{logits}{scaled}"
-                f"{windows}{repeat}{probe}{direct}{offload}{dtype}{length}{clip}")
+                f"{windows}{repeat}{probe}{direct}{offload}{dtype}{accum}{length}{clip}")
 
     @property
     def clip(self) -> float:
@@ -154,7 +164,7 @@ def updates(cell: Cell, semantics: str = CORRECT) -> list[list[list[tuple[int, f
         m = 0 if cell.repeat else m
         steps = counted(cell, list(range(m, m + length)))
         m += length
-        if semantics == NOOP:
+        if semantics in (NOOP, NO_UPDATE):
             result.append([])
         elif cell.own_style and cell.gas == 1:
             result.append([[(s, 1.0)] for s in steps])
@@ -222,9 +232,22 @@ def takeover_probes(deepspeed_version: str) -> list[Cell]:
 def engine_may_take_over(cell: Cell, deepspeed_version: str) -> bool:
     """Whether deepspeed-manual-accumulation is active on the cell's engine: ZeRO-1/2 at config GAS=1 where a
     boundary replaces the reduced gradient (from 0.17.6; with optimizer offload on every release). At config
-    GAS > 1 a manual loop looks like DeepSpeed's own style with several backwards per micro-batch; ZeRO-0/3
-    and ZeRO-1/2 before 0.17.6 accumulate by themselves at GAS=1."""
-    return cell.stage in (1, 2) and cell.gas == 1 and (cell.offload or boundary_replaces(deepspeed_version))
+    GAS > 1 a manual loop looks like DeepSpeed's own style with several backwards per micro-batch; ZeRO-0/3,
+    ZeRO-1/2 before 0.17.6 and the BF16_Optimizer accumulate by themselves at GAS=1."""
+    return (cell.stage in (1, 2) and cell.gas == 1 and not bf16_optimizer(cell)
+            and (cell.offload or boundary_replaces(deepspeed_version)))
+
+
+def bf16_optimizer(cell: Cell) -> bool:
+    """DeepSpeed builds its BF16_Optimizer (an fp32 accumulator it adds each backward's bf16 gradients into)
+    for ZeRO-1 in bf16 with ``grad_accum_dtype`` fp32 and no offload; ZeRO-2/3 and offload keep their own."""
+    return cell.dtype == "bf16" and cell.accum_fp32 and cell.stage == 1 and not cell.offload
+
+
+def bf16_boundary_unaveraged(cell: Cell, deepspeed_version: str) -> bool:
+    """0.18.3 - 0.18.9 all-reduce the BF16_Optimizer's accumulator before the boundary micro-batch is added
+    (deepspeed-bf16-boundary-reduction): measured 0.18.3 and 0.18.9; 0.18.0 adds first, 0.19.8 is right."""
+    return bf16_optimizer(cell) and version_in_range(deepspeed_version, ">=0.18.3,<0.19.0")
 
 
 def zerofix_takes_over(cell: Cell, deepspeed_version: str) -> bool:
@@ -273,6 +296,10 @@ def known_unpatched(cell: Cell, deepspeed_version: str) -> str:
     manual = cell.style in MANUAL_STYLES  # several unflagged backwards per step()
     if manual and cell.gas > 1:
         return NOOP
+    if bf16_optimizer(cell):  # its fp32 accumulator adds every backward, boundary or not
+        if version_in_range(deepspeed_version, ">=0.18.3,<0.18.6"):
+            return NO_UPDATE
+        return UNAVERAGED if bf16_boundary_unaveraged(cell, deepspeed_version) else CORRECT
     if cell.style == "g" and cell.stage in (1, 2) and boundary_replaces(deepspeed_version):
         return TWICE  # the micro-batch's second boundary backward replaces the first (before 0.17.6: adds)
     if cell.offload:
@@ -318,9 +345,10 @@ def offload_cells() -> list[Cell]:
 def known_patched(cell: Cell, deepspeed_version: str) -> str:
     """With every DeepSpeed fix applied: every window applied, every gradient divided once, except where
     zerofix follows DeepSpeed because a right usage looks the same: several backwards per step() at config
-    GAS > 1 (NOOP), and ZeRO-1/2's own style with several backwards per micro-batch (TWICE)."""
+    GAS > 1 (NOOP), and ZeRO-1/2's own style with several backwards per micro-batch (TWICE); and the bf16
+    optimizer that applies nothing on 0.18.3 (NO_UPDATE), which no entry fixes yet."""
     unpatched = known_unpatched(cell, deepspeed_version)
-    return unpatched if unpatched in (NOOP, TWICE) else CORRECT
+    return unpatched if unpatched in (NOOP, TWICE, NO_UPDATE) else CORRECT
 
 
 def ambiguity_cells(deepspeed_version: str) -> list[Cell]:
@@ -363,6 +391,18 @@ def direct_backward_cells(deepspeed_version: str) -> list[Cell]:
 
 
 BF16_BOUND = 16 * 2.0 ** -8  # 16 bf16 rounding units: measured 2.2e-2 (ZeRO-0/1/2) and 1.2e-2 (ZeRO-3)
+
+
+# ZeRO-1 bf16 + fp32 accumulator, unpatched, 2 ranks: the first window's update error against the reference
+# (data of zerofix.check.models; the same on 0.18.3 and 0.18.9)
+MEASURED_UNAVERAGED = {"z1-gas4-b": 0.559, "z1-gas1-b": 1.019, "z1-gas1-a": 0.559}
+
+
+def bf16_accumulator_cells() -> list[Cell]:
+    """ZeRO-1 bf16 with ``grad_accum_dtype`` fp32 (DeepSpeed's BF16_Optimizer): DeepSpeed's own style at config
+    GAS 4 and 1, and manual accumulation at config GAS=1 (each backward a boundary)."""
+    return [Cell(1, 4, "b", dtype="bf16", accum_fp32=True), Cell(1, 1, "b", dtype="bf16", accum_fp32=True),
+            Cell(1, 1, "a", dtype="bf16", accum_fp32=True)]
 
 
 def bf16_cells(deepspeed_version: str) -> list[Cell]:

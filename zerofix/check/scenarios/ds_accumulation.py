@@ -49,6 +49,7 @@ def ds_config(cell: accumulation.Cell, base: dict | None = None) -> dict:
         # a torch optimizer on the offloaded fp32 partition (DeepSpeedCPUAdam would need a C++ build)
         **({"zero_force_ds_cpu_optimizer": False} if cell.offload else {}),
         **({"bf16": {"enabled": True}} if cell.dtype == "bf16" else {}),
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if cell.accum_fp32 else {}),
         **({"fp16": {"enabled": True, "initial_scale_power": 8}} if cell.dtype == "fp16" else {}),
     }
 
