@@ -122,7 +122,9 @@ def test_patched_matches_the_reference(runs, cell):
     assert max(errors(runs, "patched", cell, semantics)) < tolerance(cell), semantics
     _, norms = expected(runs, cell, semantics)
     assert not cell.clip or not norms or min(norms) > cell.clip  # clipping really acts in style (e)
-    for rank_norms in result["norms"] if semantics != NO_UPDATE else ():  # it has norms, and applies nothing
+    # no norm to compare where the optimizer applies nothing, or misreports its norm (0.18.0's bf16 optimizer)
+    compared = semantics != NO_UPDATE and not accumulation.bf16_norm_misreported(cell, metadata.version("deepspeed"))
+    for rank_norms in result["norms"] if compared else ():
         if cell.stage == 0 and cell.dtype == "fp32":  # no norm for a ZeRO-0 torch optimizer (BF16_Optimizer has one)
             assert rank_norms == [None] * len(norms)
         else:
