@@ -41,6 +41,12 @@ ZERO2_OFFLOAD = {
                           "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": "auto"},
 }
 
+# ZeRO-1 in bf16 with an fp32 gradient accumulator: DeepSpeed builds its BF16_Optimizer (0.16, 0.18.5 and later)
+ZERO1_BF16_FP32_ACCUMULATOR = {
+    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"}, "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1},
+}
+
 
 def write(tmp_path, name, data) -> str:
     path = tmp_path / name
@@ -133,6 +139,10 @@ def test_rows_for_a_configuration(tmp_path):
     assert "trainer-custom" not in [r.name for r in rows]  # --model: the Trainer trains that class only
     bf16 = userconfig.load(write(tmp_path, "b.json", ZERO2), bf16=True)
     assert {r.tolerance for r in plan.user_scenarios(bf16)} == {plan.BF16_TOLERANCE}
+    bf16_rows = plan.user_scenarios(bf16)
+    assert not any("deepspeed-bf16-boundary-reduction" in r.fixes for r in bf16_rows)  # ZeRO-2: not that optimizer
+    accumulator = userconfig.load(write(tmp_path, "a.json", ZERO1_BF16_FP32_ACCUMULATOR), bf16=True)
+    assert all("deepspeed-bf16-boundary-reduction" in r.fixes for r in plan.user_scenarios(accumulator))
 
 
 # ---- --model: a tiny model of the user's class ------------------------------------------------------------
@@ -373,6 +383,24 @@ def test_own_zero2_configuration_on_2026_04(tmp_path):
     assert rows["accelerate-causal-lm"]["unpatched"]["ratio"] == pytest.approx(1 / 4, rel=1e-4)
     assert rows["deepspeed-manual"]["unpatched"]["cosine"] < 0.5  # only the last micro-batch survives
     assert document["configuration"]["summary"].startswith("ZeRO-2, GAS 4, micro-batch 2, fp32, clipping 1")
+    assert document["exit_code"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.stack("2026-04")
+def test_own_bf16_configuration_with_an_fp32_accumulator_on_2026_04(tmp_path):
+    """ZeRO-1, bf16, data_types.grad_accum_dtype fp32 (DeepSpeed's BF16_Optimizer), GAS 4: DeepSpeed 0.18.9 never
+    averages the boundary micro-batch in any loop (deepspeed-bf16-boundary-reduction); accelerate's loss is also
+    divided twice by the output hook. The manual loop is not deepspeed-manual-accumulation's: the BF16 optimizer
+    adds every backward by itself, so that entry follows and is not named."""
+    document = check_json(tmp_path, "--deepspeed", write(tmp_path, "ds.json", ZERO1_BF16_FP32_ACCUMULATOR), "--bf16",
+                          "--gas", "4", "--skip", "trainer-custom")
+    bf16 = "fixed by deepspeed-bf16-boundary-reduction"
+    assert verdicts(document) == {"trainer-causal-lm": bf16, "deepspeed-manual": bf16, "deepspeed-own": bf16,
+                                  "accelerate-causal-lm": "fixed by deepspeed-output-hook-division + "
+                                  "deepspeed-bf16-boundary-reduction"}
+    for row in document["scenarios"]:  # the unpatched half is the measured bug, the patched one bf16 rounding
+        assert row["unpatched"]["rel_err"] > 0.3 and row["patched"]["rel_err"] < plan.BF16_TOLERANCE, row
     assert document["exit_code"] == 0
 
 

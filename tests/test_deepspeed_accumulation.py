@@ -125,7 +125,7 @@ def test_patched_matches_the_reference(runs, cell):
     # no norm to compare where the optimizer applies nothing, or misreports its norm (0.18.0's bf16 optimizer)
     compared = semantics != NO_UPDATE and not accumulation.bf16_norm_misreported(cell, metadata.version("deepspeed"))
     for rank_norms in result["norms"] if compared else ():
-        if cell.stage == 0 and cell.dtype == "fp32":  # no norm for a ZeRO-0 torch optimizer (BF16_Optimizer has one)
+        if cell.stage == 0 and cell.dtype == "fp32":  # no norm for a ZeRO-0 torch optimizer (DeepSpeed's bf16 ones have one)
             assert rank_norms == [None] * len(norms)
         else:
             assert rank_norms == pytest.approx(norms, rel=1e-5 if cell.dtype == "fp32" else tolerance(cell))

@@ -4,8 +4,9 @@ the Trainer on 2 gloo ranks (DeepSpeed's own loop: the ``-acc32`` cells of test_
 Each run is compared with the float64 single-process reference on the same samples. On 0.18.9 the boundary
 micro-batch reaches the update unaveraged (unpatched: the measured error); patched, the error is bf16 rounding,
 the very number DeepSpeed 0.19.8 reaches by itself (asserted on latest, where the entry does not apply and
-zerofix leaves every weight bitwise as it was). On 0.18.3 the same optimizer applies no update at all, with and
-without zerofix (DeepSpeed #7837, not backported: docs/fixes.md).
+zerofix leaves every weight bitwise as it was). On 0.18.3 the same configuration gets FP16_UnfusedOptimizer (DeepSpeed's
+BFLOAT16 and DDP_BFLOAT16 constants are both "bf16" up to 0.18.4), whose loss scale divides a gradient that was
+never scaled: no update at all, with and without zerofix (#7837's mechanism, not backported: docs/fixes.md).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def test_the_boundary_micro_batch_is_averaged(ranks, model):
     elif STACK == "latest":  # 0.19.8: right by itself, the entry not applied, every weight as it was
         assert bug["rel_err"] == pytest.approx(RIGHT[model], abs=1e-4), bug
         assert states(fixed) == {"not-affected"} and fixed["bitwise_as_unpatched"], fixed
-    else:  # 0.18.3: in range, but its BF16_Optimizer applies no update at all (DeepSpeed #7837)
+    else:  # 0.18.3: the method is broken, but this configuration gets FP16_UnfusedOptimizer, which applies nothing
         assert states(fixed) == {"applied"}
         for run in (bug, fixed):
             assert run["rel_err"] == pytest.approx(1.0, abs=1e-4) and abs(run["ratio"]) < 1e-5, run

@@ -167,9 +167,10 @@ FIXES: tuple[Fix, ...] = (
         title="ZeRO-1 bf16 with an fp32 gradient accumulator: the boundary micro-batch is never averaged "
         "across ranks",
         dist="deepspeed",
-        # Measured 0.18.3 and 0.18.9 (broken), 0.19.8 (right); the structural check finds the broken order in
-        # every source from 0.18.3 to 0.18.9 and not in 0.18.0 - 0.18.2 (the gradients are added in
-        # optimizer.backward, before the all-reduce) or 0.19.0 (DeepSpeed PR #7985).
+        # Measured 0.18.9 (broken), 0.19.8 (right); the structural check finds the broken order in the sources
+        # of 0.18.3 - 0.18.5 and 0.18.9, not in 0.18.1 - 0.18.2 (the gradients are added in optimizer.backward,
+        # before the all-reduce) or 0.19.0 (DeepSpeed PR #7985). 0.18.3 - 0.18.4 build FP16_UnfusedOptimizer for
+        # this configuration (measured 0.18.3), so the bug shows from 0.18.5.
         affected=">=0.18.3,<0.19.0",
         targets=(
             Target("deepspeed.runtime.engine", "DeepSpeedEngine._backward_epilogue",

@@ -44,12 +44,13 @@ TWICE = "twice"
 # the first (TAIL), or an update no simple rule describes (WRONG: far from both CORRECT and LAST); see
 # known_unpatched()
 ENDS, TAIL, WRONG = "ends", "tail", "wrong"
-# ZeRO-1 bf16 with an fp32 gradient accumulator (BF16_Optimizer) on 0.18.3 - 0.18.9: each boundary micro-batch
+# ZeRO-1 bf16 with an fp32 gradient accumulator (BF16_Optimizer) on 0.18.5 - 0.18.9: each boundary micro-batch
 # reaches the update unaveraged, each rank's own in the partition it owns (deepspeed-bf16-boundary-reduction);
 # no per-window reference describes it, the measured errors do (MEASURED_UNAVERAGED)
 UNAVERAGED = "unaveraged"
-# the same BF16_Optimizer on 0.18.3 applies no update at all on this CPU, with and without zerofix (every window's
-# parameters stay as they were; DeepSpeed #7837, fixed in 0.18.6 by PR #7839, is not backported yet)
+# the same configuration on 0.18.3 - 0.18.4 gets FP16_UnfusedOptimizer instead (bf16_fp32_accumulator()), whose
+# dynamic loss scale divides a gradient nobody scaled: no update at all, with and without zerofix (the mechanism
+# of DeepSpeed #7837, fixed in 0.18.6 by PR #7839; not backported yet)
 NO_UPDATE = "no-update"
 EXTRA_DIVISIONS = {DOUBLE: 1, TRIPLE: 2}  # how many more times than meant each loss is divided by GAS
 
@@ -217,7 +218,10 @@ def transparency_matrix(deepspeed_version: str) -> list[Cell]:
     # division then divides at the loss instead of DeepSpeed's hook: the same operation on the same tensor)
     logits = [Cell(stage, gas, "b", "sgd", logits=True, probe=True) for stage in (0, 1, 2, 3) for gas in (1, 4)
               if not output_hook_divides_twice(Cell(stage, gas, "b", logits=True), deepspeed_version)]
-    return own + clipped + accumulating + logits + offload
+    # bf16 ZeRO-1 without the fp32 accumulator (DeepSpeedZeroOptimizer): deepspeed-bf16-boundary-reduction's wrapper
+    # runs around every backward epilogue of its range and must pass this optimizer through untouched
+    bf16 = [Cell(1, 4, "b", "sgd", probe=True, dtype="bf16")]
+    return own + clipped + accumulating + logits + offload + bf16
 
 
 def takeover_probes(deepspeed_version: str) -> list[Cell]:
@@ -234,20 +238,24 @@ def engine_may_take_over(cell: Cell, deepspeed_version: str) -> bool:
     boundary replaces the reduced gradient (from 0.17.6; with optimizer offload on every release). At config
     GAS > 1 a manual loop looks like DeepSpeed's own style with several backwards per micro-batch; ZeRO-0/3,
     ZeRO-1/2 before 0.17.6 and the BF16_Optimizer accumulate by themselves at GAS=1."""
-    return (cell.stage in (1, 2) and cell.gas == 1 and not bf16_optimizer(cell)
+    return (cell.stage in (1, 2) and cell.gas == 1 and not bf16_fp32_accumulator(cell)
             and (cell.offload or boundary_replaces(deepspeed_version)))
 
 
-def bf16_optimizer(cell: Cell) -> bool:
-    """DeepSpeed builds its BF16_Optimizer (an fp32 accumulator it adds each backward's bf16 gradients into)
-    for ZeRO-1 in bf16 with ``grad_accum_dtype`` fp32 and no offload; ZeRO-2/3 and offload keep their own."""
+def bf16_fp32_accumulator(cell: Cell) -> bool:
+    """ZeRO-1 in bf16 with ``grad_accum_dtype`` fp32 and no offload, for which DeepSpeed means its BF16_Optimizer
+    (an fp32 accumulator each backward's bf16 gradients are added into); ZeRO-2/3 and offload keep their own.
+    Measured: 0.16.3 and 0.18.5+ build it; 0.18.0 - 0.18.4 build FP16_UnfusedOptimizer instead, because their
+    constants BFLOAT16 and DDP_BFLOAT16 are both "bf16" and the engine tests for the second first. Neither it nor
+    zerofix's manual-accumulation fix (it has no all_grad_tensors) needs a takeover: every backward is added."""
     return cell.dtype == "bf16" and cell.accum_fp32 and cell.stage == 1 and not cell.offload
 
 
 def bf16_boundary_unaveraged(cell: Cell, deepspeed_version: str) -> bool:
-    """0.18.3 - 0.18.9 all-reduce the BF16_Optimizer's accumulator before the boundary micro-batch is added
-    (deepspeed-bf16-boundary-reduction): measured 0.18.3 and 0.18.9; 0.18.0 adds first, 0.19.8 is right."""
-    return bf16_optimizer(cell) and version_in_range(deepspeed_version, ">=0.18.3,<0.19.0")
+    """0.18.5 - 0.18.9 all-reduce the BF16_Optimizer's accumulator before the boundary micro-batch is added
+    (deepspeed-bf16-boundary-reduction; the method is broken from 0.18.3, the optimizer built from 0.18.5):
+    measured 0.18.9; 0.16.3 adds first, 0.19.8 is right."""
+    return bf16_fp32_accumulator(cell) and version_in_range(deepspeed_version, ">=0.18.5,<0.19.0")
 
 
 def zerofix_takes_over(cell: Cell, deepspeed_version: str) -> bool:
@@ -296,8 +304,8 @@ def known_unpatched(cell: Cell, deepspeed_version: str) -> str:
     manual = cell.style in MANUAL_STYLES  # several unflagged backwards per step()
     if manual and cell.gas > 1:
         return NOOP
-    if bf16_optimizer(cell):  # its fp32 accumulator adds every backward, boundary or not
-        if version_in_range(deepspeed_version, ">=0.18.3,<0.18.6"):
+    if bf16_fp32_accumulator(cell):  # its fp32 accumulator adds every backward, boundary or not
+        if version_in_range(deepspeed_version, ">=0.18.3,<0.18.5"):  # measured 0.18.3 (0.18.4 by its source)
             return NO_UPDATE
         return UNAVERAGED if bf16_boundary_unaveraged(cell, deepspeed_version) else CORRECT
     if cell.style == "g" and cell.stage in (1, 2) and boundary_replaces(deepspeed_version):
@@ -346,7 +354,7 @@ def known_patched(cell: Cell, deepspeed_version: str) -> str:
     """With every DeepSpeed fix applied: every window applied, every gradient divided once, except where
     zerofix follows DeepSpeed because a right usage looks the same: several backwards per step() at config
     GAS > 1 (NOOP), and ZeRO-1/2's own style with several backwards per micro-batch (TWICE); and the bf16
-    optimizer that applies nothing on 0.18.3 (NO_UPDATE), which no entry fixes yet."""
+    configuration that applies nothing on 0.18.3 (NO_UPDATE), which no entry fixes yet."""
     unpatched = known_unpatched(cell, deepspeed_version)
     return unpatched if unpatched in (NOOP, TWICE, NO_UPDATE) else CORRECT
 
@@ -394,13 +402,14 @@ BF16_BOUND = 16 * 2.0 ** -8  # 16 bf16 rounding units: measured 2.2e-2 (ZeRO-0/1
 
 
 def bf16_norm_misreported(cell: Cell, deepspeed_version: str) -> bool:
-    """0.18.0's BF16_Optimizer applies the right update but reports a gradient norm about 65,000 times too
-    large (measured 10486.7 for 0.160, 18533 for 0.283): not fixed by zerofix, its norms are not compared."""
-    return bf16_optimizer(cell) and version_in_range(deepspeed_version, "==0.18.0")
+    """0.18.0 trains the bf16 + fp32-accumulator configuration with FP16_UnfusedOptimizer (bf16_fp32_accumulator()):
+    the update is right, the gradient norm it reports is the loss-scaled one, 65536 times too large (measured
+    10486.7 for 0.160): not fixed by zerofix, its norms are not compared."""
+    return bf16_fp32_accumulator(cell) and version_in_range(deepspeed_version, "==0.18.0")
 
 
 # ZeRO-1 bf16 + fp32 accumulator, unpatched, 2 ranks: the first window's update error against the reference
-# (data of zerofix.check.models; the same on 0.18.3 and 0.18.9)
+# (data of zerofix.check.models; measured on 0.18.9)
 MEASURED_UNAVERAGED = {"z1-gas4-b": 0.559, "z1-gas1-b": 1.019, "z1-gas1-a": 0.559}
 
 
@@ -412,7 +421,8 @@ def bf16_accumulator_cells() -> list[Cell]:
 
 
 def bf16_cells(deepspeed_version: str) -> list[Cell]:
-    """bf16 (DeepSpeed's BF16_Optimizer at ZeRO-0, bf16 ZeRO-1/2/3; fp16 does not run on CPU): manual
+    """bf16 (ZeRO-0: DeepSpeed's BF16_Optimizer on 0.16, FP16_UnfusedOptimizer from 0.18; bf16 ZeRO-1/2/3; fp16
+    does not run on CPU): manual
     accumulation at config GAS=1 and 4, and DeepSpeed's own style at GAS=4. ZeRO-0 bf16 is left out on
     0.18.0 - 0.18.3, where DeepSpeed's own loop is already wrong on CPU (0.18.0: update error 0.76 in every
     style; 0.18.3: no update at all), whatever zerofix does (it then equals DeepSpeed's own style)."""

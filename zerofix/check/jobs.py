@@ -98,12 +98,15 @@ def _acted(result: dict, fix_id: str) -> bool:
 def ds_cell(name: str) -> accumulation.Cell:
     """deepspeed-zero<s>-manual: 4 backwards then step(), config GAS=1 (the loop divides by 4);
     deepspeed-zero<s>-own: backward + step() per micro-batch, config GAS=4 (DeepSpeed divides);
-    deepspeed-zero<s>-offload-*: the same with the optimizer offloaded to the CPU."""
+    deepspeed-zero<s>-offload-*: the same with the optimizer offloaded to the CPU;
+    deepspeed-zero<s>-bf16-*: in bf16 with an fp32 gradient accumulator."""
     stage = int(name.split("-")[1][len("zero"):])
-    offload = "-offload-" in name
+    options = {"offload": "-offload-" in name}
+    if "-bf16-" in name:
+        options.update(dtype="bf16", accum_fp32=True)
     if name.endswith("-manual"):
-        return accumulation.Cell(stage, 1, "a", offload=offload)
-    return accumulation.Cell(stage, 4, "b", offload=offload)
+        return accumulation.Cell(stage, 1, "a", **options)
+    return accumulation.Cell(stage, 4, "b", **options)
 
 
 def deepspeed(job, rows, nproc, timeout, workdir, *, cells=None, base_config=None):
@@ -121,7 +124,11 @@ def deepspeed(job, rows, nproc, timeout, workdir, *, cells=None, base_config=Non
                 entry[variant] = ({"error": errors[0]} if errors
                                   else _ds_outcome(runs["init"], run["snapshots"], cell, nproc))
             runtime = runs["patched"][cell.name]["runtime"][0]
-            entry["applied"] = _applied(runtime["states"] if runtime else {}, row.fixes)
+            applied = _applied(runtime["states"] if runtime else {}, row.fixes)
+            engine = (runtime or {}).get("engine")
+            if engine is not None and not engine.get("flushed"):  # it followed DeepSpeed: it changed nothing here
+                applied = [f for f in applied if f != "deepspeed-manual-accumulation"]
+            entry["applied"] = applied
             out[row.name] = entry
         return out
 

@@ -80,6 +80,10 @@ SCENARIOS: tuple[Scenario, ...] = (
                "config GAS=1, 4 x backward then step()", ("deepspeed-manual-accumulation",)) for s in (1, 2)),
     Scenario("deepspeed-zero2-offload-own", "deepspeed", "raw DeepSpeed ZeRO-2 + CPU optimizer offload, config GAS=4, "
              "backward + step() per micro-batch", ("deepspeed-offload-accumulator",)),
+    # DeepSpeed's BF16_Optimizer: bf16 with an fp32 gradient accumulator (data_types.grad_accum_dtype)
+    Scenario("deepspeed-zero1-bf16-own", "deepspeed", "raw DeepSpeed ZeRO-1, bf16 + fp32 gradient accumulator, config "
+             "GAS=4, backward + step() per micro-batch", ("deepspeed-bf16-boundary-reduction",),
+             tolerance=BF16_BOUND),
     *(Scenario(f"zero3-loss-{where}", "zero3-loss", f"zerofix.chunked_cross_entropy on a ZeRO-3 head, {where} "
                "engine.forward", patchable=False) for where in ("inside", "outside")),
     # Compared with the same SFTTrainer run with loss_type="nll" (full logits): losses and grad norms.
@@ -123,24 +127,28 @@ def user_scenarios(cfg, *, model_name: str | None = None, tied: bool = False, ta
     "sequence" for a sequence classifier (the Trainer's row trains it, the accelerate row a tiny Llama)."""
     tolerance = BF16_TOLERANCE if cfg.dtype == "bf16" else None
     lm = model_name if model_name and task == "token" else "tiny Llama"
-    offload = ("deepspeed-offload-accumulator",) if cfg.offload == "cpu" else ()
+    # ZeRO-1 in bf16 with an fp32 gradient accumulator trains through DeepSpeed's BF16_Optimizer (0.18.5+)
+    bf16_accumulator = (cfg.dtype == "bf16" and cfg.stage == 1 and not cfg.offload
+                        and cfg.ds.get("data_types", {}).get("grad_accum_dtype") is not None)
+    bf16 = ("deepspeed-bf16-boundary-reduction",) if bf16_accumulator else ()
+    engine = (("deepspeed-offload-accumulator",) if cfg.offload == "cpu" else ()) + bf16  # what every row's engine is
     if task == "sequence":
         rows = [Scenario("trainer-seq-cls", "your-trainer", f"Trainer, your config, {model_name}",
-                         TRAINER_DS_FIXES + offload, tolerance=tolerance)]
+                         TRAINER_DS_FIXES + engine, tolerance=tolerance)]
     else:
-        rows = [Scenario("trainer-causal-lm", "your-trainer", f"Trainer, your config, {lm}", TRAINER_DS_FIXES + offload,
+        rows = [Scenario("trainer-causal-lm", "your-trainer", f"Trainer, your config, {lm}", TRAINER_DS_FIXES + engine,
                          tolerance=tolerance)]
     if model_name is None:
         rows.append(Scenario("trainer-custom", "your-trainer", "Trainer, your config, custom module without loss kwargs",
-                             TRAINER_DS_FIXES + offload, tolerance=tolerance))
+                             TRAINER_DS_FIXES + engine, tolerance=tolerance))
     rows += [
         Scenario("accelerate-causal-lm", "your-accelerate", f"Accelerate accumulate(), your config, {lm}",
                  ("deepspeed-zero12-accumulator", "deepspeed-output-hook-division", "accelerate-deepspeed-no-sync")
-                 + offload, tolerance=tolerance),
+                 + engine, tolerance=tolerance),
         Scenario("deepspeed-manual", "your-deepspeed", f"raw engine, your config with GAS=1, {cfg.manual_length} x backward then "
-                 "step()", DS_MANUAL_FIXES, tolerance=tolerance),
+                 "step()", DS_MANUAL_FIXES + bf16, tolerance=tolerance),
         Scenario("deepspeed-own", "your-deepspeed", f"raw engine, your config (GAS={cfg.gas}), backward + step() per "
-                 "micro-batch", DS_OWN_FIXES + offload, tolerance=tolerance),
+                 "micro-batch", DS_OWN_FIXES + engine, tolerance=tolerance),
     ]
     if cfg.stage == 3:
         rows += [Scenario(f"zero3-loss-{where}", "your-zero3-loss", f"zerofix.chunked_cross_entropy, "

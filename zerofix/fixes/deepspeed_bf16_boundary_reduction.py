@@ -9,7 +9,9 @@ the boundary micro-batch is in it: that micro-batch reaches the update unaverage
 partition the rank owns. Measured on 0.18.9, 2 ranks, DeepSpeed's own loop: update error 0.56 at GAS=4 and
 1.02 at GAS=1 (every micro-batch is a boundary, nothing is averaged). 0.18.0 - 0.18.2 add the gradients inside
 ``optimizer.backward()``, before the all-reduce; 0.19.0 (DeepSpeed PR #7985) calls the BF16 optimizer's
-``backward_epilogue()`` before ``allreduce_gradients()``.
+``backward_epilogue()`` before ``allreduce_gradients()``. On 0.18.3 and 0.18.4 the method is broken but that
+configuration does not reach it: the engine builds FP16_UnfusedOptimizer instead (its constants BFLOAT16 and
+DDP_BFLOAT16 are both "bf16" until 0.18.5), and the wrapper passes every other optimizer through.
 
 zerofix does the same from outside: around ``_backward_epilogue`` of an engine whose optimizer is a
 ``BF16_Optimizer`` it runs the optimizer's ``backward_epilogue()`` first and makes the call inside DeepSpeed's
