@@ -1,7 +1,9 @@
 """Looking at upstream functions without running them: shared by the fixes' structural checks."""
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 
 
 def undecorated(func, qualname: str):
@@ -27,3 +29,8 @@ def undecorated(func, qualname: str):
 
 def parameter_names(func, qualname: str) -> list[str]:
     return list(inspect.signature(undecorated(func, qualname)).parameters)
+
+
+def source_tree(func) -> ast.AST:
+    """The parsed source of ``func`` (never run). OSError, TypeError or SyntaxError when it cannot be read."""
+    return ast.parse(textwrap.dedent(inspect.getsource(func)))

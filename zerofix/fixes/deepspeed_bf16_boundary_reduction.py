@@ -30,8 +30,6 @@ offload) is passed through untouched (tests/test_deepspeed_bf16.py).
 from __future__ import annotations
 
 import ast
-import inspect
-import textwrap
 
 from zerofix.fixes import _inspect
 from zerofix.fixes.contract import Check, drifted, found
@@ -61,7 +59,7 @@ def drift_from_broken(func) -> str | None:
     ``self.optimizer.backward_epilogue()`` and does not single out the BF16 optimizer (0.19.0 does). Else what
     differs. The source is parsed, never executed."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+        tree = _inspect.source_tree(func)
     except (OSError, TypeError, SyntaxError) as exc:
         return f"{QUALNAME}: source unavailable, cannot verify it is the broken one ({exc})"
     if any(isinstance(n, ast.Name) and n.id == "BF16_Optimizer" for n in ast.walk(tree)):
@@ -91,7 +89,7 @@ def _call_name(node: ast.Call) -> str:
 
 def _called_methods(func) -> set[str]:
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+        tree = _inspect.source_tree(func)
     except (OSError, TypeError, SyntaxError):
         return set()
     return {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import ast
 import inspect
-import textwrap
 
 from zerofix import applied
+from zerofix.fixes import _inspect
 from zerofix.fixes.contract import Check, drifted, found
 
 FIX_ID = "deepspeed-offload-accumulator"
@@ -62,7 +62,7 @@ def drift_from_broken(func) -> str | None:
     """None when ``func`` is the method measured broken: ``copy_gradients_to_cpu()`` runs only in the
     ``else`` of ``if self.micro_step_id > 0: accumulate_gradients()``. Else what differs (parsed, never run)."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+        tree = _inspect.source_tree(func)
     except (OSError, TypeError, SyntaxError) as exc:
         return f"{TARGET}: source unavailable, cannot verify it is the broken one ({exc})"
     for node in ast.walk(tree):

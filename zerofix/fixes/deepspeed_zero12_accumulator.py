@@ -23,9 +23,8 @@ boundaries, the Trainer) then runs as on 0.18.3 (tests/test_deepspeed_zero12_acc
 from __future__ import annotations
 
 import ast
-import inspect
-import textwrap
 
+from zerofix.fixes import _inspect
 from zerofix.fixes.contract import Check, drifted, found
 
 FIX_ID = "deepspeed-zero12-accumulator"
@@ -65,7 +64,7 @@ def drift_from_broken(func) -> str | None:
     (assigns ``self.all_grad_tensors[i]``) is guarded by a test on ``averaged_gradients`` alone. Else
     what differs. The source is parsed, never executed."""
     try:
-        tree = _parse(func)
+        tree = _inspect.source_tree(func)
     except (OSError, TypeError, SyntaxError) as exc:
         return f"{TARGET}: source unavailable, cannot verify it is the broken one ({exc})"
     guards = [_attributes(node.test) for node in ast.walk(tree)
@@ -93,13 +92,9 @@ def _assigned(body) -> set[str]:
     return out
 
 
-def _parse(func) -> ast.AST:
-    return ast.parse(textwrap.dedent(inspect.getsource(func)))
-
-
 def _self_attributes(func) -> set[str]:
     try:
-        tree = _parse(func)
+        tree = _inspect.source_tree(func)
     except (OSError, TypeError, SyntaxError):
         return set()
     return {n.attr for n in ast.walk(tree)
