@@ -64,10 +64,11 @@ def drift_from_broken(func) -> str | None:
         return f"{QUALNAME}: source unavailable, cannot verify it is the broken one ({exc})"
     if any(isinstance(n, ast.Name) and n.id == "BF16_Optimizer" for n in ast.walk(tree)):
         return f"{QUALNAME} already treats BF16_Optimizer apart: not the broken one"
-    first = {}  # the line of each call's first occurrence
+    first = {}  # the line of each call's first occurrence (ast.walk goes breadth-first, not in line order)
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
-            first.setdefault(_call_name(node), node.lineno)
+            name = _call_name(node)
+            first[name] = min(first.get(name, node.lineno), node.lineno)
     if "self.optimizer.backward_epilogue" not in first:
         return f"{QUALNAME} does not call the optimizer's backward_epilogue (0.18.0 - 0.18.2 do it in backward)"
     if "self.allreduce_gradients" not in first:
