@@ -1,6 +1,6 @@
 """deepspeed-bf16-boundary-reduction's structural check, on the shapes of DeepSpeed's ``_backward_epilogue``
 (no distributed run). The real sources were checked the same way: 0.18.1 and 0.18.2 drift (the gradients are
-added in ``optimizer.backward``), 0.18.3 - 0.18.5 and 0.18.9 are the broken order, 0.19.0 drifts (PR #7985)."""
+added in ``optimizer.backward``), 0.18.3 - 0.18.6 and 0.18.9 are the broken order, 0.19.0 drifts (PR #7985)."""
 from __future__ import annotations
 
 import pytest

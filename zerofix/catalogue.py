@@ -168,7 +168,7 @@ FIXES: tuple[Fix, ...] = (
         "across ranks",
         dist="deepspeed",
         # Measured 0.18.9 (broken), 0.19.8 (right); the structural check finds the broken order in the sources
-        # of 0.18.3 - 0.18.5 and 0.18.9, not in 0.18.1 - 0.18.2 (the gradients are added in optimizer.backward,
+        # of 0.18.3 - 0.18.6 and 0.18.9, not in 0.18.1 - 0.18.2 (the gradients are added in optimizer.backward,
         # before the all-reduce) or 0.19.0 (DeepSpeed PR #7985). 0.18.3 - 0.18.4 build FP16_UnfusedOptimizer for
         # this configuration (measured 0.18.3), so the bug shows from 0.18.5.
         affected=">=0.18.3,<0.19.0",
