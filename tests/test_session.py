@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from zerofix.check import launch, runner, session
+from zerofix.versions import version_in_range
 
 PROBE = "zerofix.check.scenarios.probe"
 
@@ -248,9 +249,15 @@ def test_records_do_not_depend_on_the_runs_before(tmp_path):
     from zerofix.check import command, jobs, plan
 
     checked = plan.make(plan.select(), 2, command.versions())
+    # DeepSpeed 0.18.0 - 0.18.4 train the bf16 + fp32-accumulator row with FP16_UnfusedOptimizer (plan's
+    # deepspeed-zero1-bf16-own; accumulation.bf16_fp32_accumulator), whose bf16 result moved a few roundings with
+    # the engines before it (measured in CI on 0.18.0, unpatched and patched alike): DeepSpeed's order sensitivity,
+    # as the ZeRO-3 case above, so that row is left out there
+    order_sensitive = {"deepspeed-zero1-bf16-own"} if version_in_range(command.versions()["deepspeed"],
+                                                                      ">=0.18.0,<0.18.5") else set()
     by_job = {}
     for row in checked.rows:
-        if row.name not in checked.skipped:
+        if row.name not in checked.skipped and row.name not in order_sensitive:
             by_job.setdefault(row.job, []).append(row)
     requests = [dataclasses.replace(r, late=False)  # the order as given, nothing moved to the end
                 for name, rows in by_job.items()
