@@ -142,7 +142,14 @@ def test_rows_for_a_configuration(tmp_path):
     bf16_rows = plan.user_scenarios(bf16)
     assert not any("deepspeed-bf16-boundary-reduction" in r.fixes for r in bf16_rows)  # ZeRO-2: not that optimizer
     accumulator = userconfig.load(write(tmp_path, "a.json", ZERO1_BF16_FP32_ACCUMULATOR), bf16=True)
-    assert all("deepspeed-bf16-boundary-reduction" in r.fixes for r in plan.user_scenarios(accumulator))
+    assert all({"deepspeed-bf16-boundary-reduction", "deepspeed-bf16-loss-scale"} <= set(r.fixes)
+               for r in plan.user_scenarios(accumulator))
+    zero0 = {**ZERO1_BF16_FP32_ACCUMULATOR, "zero_optimization": {"stage": 0}}
+    del zero0["data_types"]  # ZeRO-0 in bf16: FP16_UnfusedOptimizer from DeepSpeed 0.17.6
+    zero0_rows = plan.user_scenarios(userconfig.load(write(tmp_path, "z0.json", zero0), bf16=True))
+    assert all("deepspeed-bf16-loss-scale" in r.fixes and "deepspeed-bf16-boundary-reduction" not in r.fixes
+               for r in zero0_rows)
+    assert not any("deepspeed-bf16-loss-scale" in r.fixes for r in bf16_rows)  # ZeRO-2
 
 
 # ---- --model: a tiny model of the user's class ------------------------------------------------------------

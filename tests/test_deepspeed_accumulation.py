@@ -20,7 +20,7 @@ import torch
 from conftest import detect_stack, uses
 from zerofix import catalogue, versions
 from zerofix.check import accumulation, parity, reference
-from zerofix.check.accumulation import CORRECT, ERROR, NO_UPDATE, NOOP, UNAVERAGED, WRONG
+from zerofix.check.accumulation import CARRIED, CORRECT, ERROR, LOST, NOOP, UNAVERAGED, WRONG
 
 FIX = "deepspeed-manual-accumulation"
 STACKS = ("latest", "2026-04", "2025-12", "2025-10", "2025-01")
@@ -40,8 +40,9 @@ AMBIGUOUS = accumulation.ambiguity_cells(metadata.version("deepspeed"))  # the f
 TRANSPARENT = accumulation.transparency_matrix(metadata.version("deepspeed")) + [c for c in AMBIGUOUS if c.probe]
 TAKEOVER = accumulation.takeover_probes(metadata.version("deepspeed"))
 DIRECT = accumulation.direct_backward_cells(metadata.version("deepspeed"))
-BF16 = accumulation.bf16_cells(metadata.version("deepspeed")) if NEWEST or STACK == "2025-01" else []
+BF16 = accumulation.bf16_cells() if NEWEST or STACK == "2025-01" else []
 BF16 += accumulation.bf16_accumulator_cells()  # deepspeed-bf16-boundary-reduction's range and both sides of it
+BF16 += accumulation.bf16_loss_scale_cells()  # deepspeed-bf16-loss-scale's range and both sides of it
 MATRIX = (accumulation.matrix() if NEWEST else accumulation.matrix(optimizers=("sgd",))
           + [accumulation.Cell(stage, 1, "a", "adamw") for stage in (0, 1, 2, 3)])  # the resumed cells' twins
 CELLS = list(dict.fromkeys(MATRIX + accumulation.extra_cells() + TRANSPARENT + TAKEOVER + DIRECT
@@ -88,19 +89,32 @@ def test_unpatched_shows_what_deepspeed_is_known_to_do(runs, cell):
         assert all(e and e.startswith("TypeError") for e in raised), raised
         return
     assert raised == [None] * runs["world"], raised
-    if known == UNAVERAGED:  # each rank's own boundary micro-batch in its partition: the measured error
+    if known == LOST:  # the resumed window starts from the master weights of the engine's own model
+        assert errors(runs, "unpatched", cell, CORRECT)[1] > 1
+        return
+    if known == CARRIED:  # the first window right, the second carrying it: the measured error
+        first, second = errors(runs, "unpatched", cell, CORRECT)
+        assert first < tolerance(cell), first
+        assert second == pytest.approx(accumulation.MEASURED_CARRIED[f"z{cell.stage}-gas{cell.gas}-{cell.style}"],
+                                       abs=5e-3)
+    elif known == UNAVERAGED:  # each rank's own boundary micro-batch in its partition: the measured error
         measured = accumulation.MEASURED_UNAVERAGED[f"z{cell.stage}-gas{cell.gas}-{cell.style}"]
         assert errors(runs, "unpatched", cell, CORRECT)[0] == pytest.approx(measured, abs=5e-3)
-        assert all(r["state"] == "inactive" for r in runs["unpatched"][cell.name]["runtime"])
-        return
-    if known == WRONG:  # no simple rule: far from the window and from its last micro-batch
+    elif known == WRONG:  # no simple rule: far from the window and from its last micro-batch
         assert min(max(errors(runs, "unpatched", cell, s)) for s in (CORRECT, accumulation.LAST)) > 0.5
         return
-    # An over-divided update is GAS or GAS**2 times smaller, its fp32 noise as many times larger relatively.
-    bound = tolerance(cell) * cell.gas ** accumulation.EXTRA_DIVISIONS.get(known, 0)
-    assert max(errors(runs, "unpatched", cell, known)) < bound, known
-    if known != CORRECT:  # and it is really wrong, not just within tolerance of right
-        assert max(errors(runs, "unpatched", cell, CORRECT)) > 0.1
+    else:
+        # An over-divided update is GAS or GAS**2 times smaller, its fp32 noise as many times larger relatively.
+        bound = tolerance(cell) * cell.gas ** accumulation.EXTRA_DIVISIONS.get(known, 0)
+        assert max(errors(runs, "unpatched", cell, known)) < bound, known
+        if known != CORRECT:  # and it is really wrong, not just within tolerance of right
+            assert max(errors(runs, "unpatched", cell, CORRECT)) > 0.1
+    if accumulation.bf16_norm_misreported(cell, metadata.version("deepspeed")):  # the loss-scaled norm
+        _, norms = expected(runs, cell, CORRECT)
+        compared = len(norms) if known == CORRECT else 1  # a carried window's norm has no reference
+        for rank_norms in runs["unpatched"][cell.name]["norms"]:
+            scaled = [n * accumulation.LOSS_SCALE for n in norms[:compared]]
+            assert rank_norms[:compared] == pytest.approx(scaled, rel=tolerance(cell))
     assert all(r["state"] == "inactive" for r in runs["unpatched"][cell.name]["runtime"])
 
 
@@ -119,12 +133,14 @@ def test_patched_matches_the_reference(runs, cell):
     result = runs["patched"][cell.name]
     assert result["errors"] == [None] * runs["world"], result["errors"]
     semantics = accumulation.known_patched(cell, metadata.version("deepspeed"))
+    if semantics == LOST:  # the first window right, the resumed one still DeepSpeed's (not fixed)
+        first, resumed = errors(runs, "patched", cell, CORRECT)
+        assert first < tolerance(cell) and resumed > 1, (first, resumed)
+        return
     assert max(errors(runs, "patched", cell, semantics)) < tolerance(cell), semantics
     _, norms = expected(runs, cell, semantics)
     assert not cell.clip or not norms or min(norms) > cell.clip  # clipping really acts in style (e)
-    # no norm to compare where the optimizer applies nothing, or misreports its norm (0.18.0's bf16 optimizer)
-    compared = semantics != NO_UPDATE and not accumulation.bf16_norm_misreported(cell, metadata.version("deepspeed"))
-    for rank_norms in result["norms"] if compared else ():
+    for rank_norms in result["norms"]:
         if cell.stage == 0 and cell.dtype == "fp32":  # no norm for a ZeRO-0 torch optimizer (DeepSpeed's bf16 ones have one)
             assert rank_norms == [None] * len(norms)
         else:
@@ -136,7 +152,7 @@ def test_patched_matches_the_reference(runs, cell):
         if cell.direct:  # loss.backward() never reaches engine.backward: the manual fix saw no engine
             assert seen is None, seen
             continue
-        updates = sum(len(w) for w in accumulation.updates(cell, CORRECT if semantics == NO_UPDATE else semantics))
+        updates = sum(len(w) for w in accumulation.updates(cell, semantics))
         if cell.resume:  # the resumed engine saw only the second window
             updates //= 2
         # several backwards per step() at config GAS > 1: followed, so DeepSpeed's step() applied nothing

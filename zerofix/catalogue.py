@@ -183,6 +183,31 @@ FIXES: tuple[Fix, ...] = (
         "loop: each boundary micro-batch reaches the update unaveraged, each rank's own in its partition",
     ),
     Fix(
+        id="deepspeed-bf16-loss-scale",
+        title="bf16 through FP16_UnfusedOptimizer (ZeRO-0): a loss scale divides gradients nobody scaled, and "
+        "gradients are never zeroed between steps",
+        dist="deepspeed",
+        # DeepSpeed #7837. Measured, ZeRO-0 bf16, 2 ranks: 0.17.5 right (bf16 never reaches that optimizer),
+        # 0.17.6 - 0.18.2 every window carries the earlier ones and the norm is x65536, 0.18.3 - 0.18.5 no update
+        # at all, 0.18.6 right (PR #7839)
+        affected=">=0.17.6,<0.18.6",
+        targets=(
+            Target("deepspeed.runtime.engine", "DeepSpeedEngine._configure_fp16_optimizer",
+                   "zerofix.fixes.deepspeed_bf16_loss_scale:configure_fp16_optimizer"),
+            Target("deepspeed.runtime.engine", "DeepSpeedEngine._take_model_step",
+                   "zerofix.fixes.deepspeed_bf16_loss_scale:take_model_step"),
+            Target("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer.load_state_dict",
+                   "zerofix.fixes.deepspeed_bf16_loss_scale:load_state_dict"),
+        ),
+        implementation="zerofix.fixes.deepspeed_bf16_loss_scale",
+        upstream=("https://github.com/deepspeedai/DeepSpeed/issues/7837",
+                  "https://github.com/deepspeedai/DeepSpeed/pull/7839"),
+        fixed_in="0.18.6",
+        where="ZeRO-0 in bf16 (and ZeRO-1 bf16 with data_types.grad_accum_dtype fp32 up to 0.18.4), any loop: no "
+        "update at all on 0.18.3 - 0.18.5; each window carries every earlier one and the reported grad norm is "
+        "65536 times too large on 0.17.6 - 0.18.2",
+    ),
+    Fix(
         id="deepspeed-offload-accumulator",
         title="ZeRO-2 with optimizer offload applies only the first and last micro-batch of each window",
         dist="deepspeed",

@@ -48,10 +48,15 @@ ENDS, TAIL, WRONG = "ends", "tail", "wrong"
 # reaches the update unaveraged, each rank's own in the partition it owns (deepspeed-bf16-boundary-reduction);
 # no per-window reference describes it, the measured errors do (MEASURED_UNAVERAGED)
 UNAVERAGED = "unaveraged"
-# the same configuration on 0.18.3 - 0.18.4 gets FP16_UnfusedOptimizer instead (bf16_fp32_accumulator()), whose
-# dynamic loss scale divides a gradient nobody scaled: no update at all, with and without zerofix (the mechanism
-# of DeepSpeed #7837, fixed in 0.18.6 by PR #7839; not backported yet)
+# bf16 through FP16_UnfusedOptimizer (bf16_unfused()) on 0.18.3 - 0.18.5: its dynamic loss scale divides a
+# gradient nobody scaled, no update at all (DeepSpeed #7837, fixed in 0.18.6; deepspeed-bf16-loss-scale)
 NO_UPDATE = "no-update"
+# the same optimizer under ZeRO-0 on 0.17.6 - 0.18.2: never zeroed, each window's gradient carries every earlier one
+# (computed at earlier weights, which no per-window reference describes: the measured errors do, MEASURED_CARRIED)
+CARRIED = "carried"
+# ... and its checkpoints on 0.17.6 - 0.18.4 hold no optimizer state: a resumed engine keeps the fp32 master weights
+# it was built with, so its first step puts them back (bf16_checkpoint_drops_optimizer(); not fixed by zerofix)
+LOST = "lost"
 EXTRA_DIVISIONS = {DOUBLE: 1, TRIPLE: 2}  # how many more times than meant each loss is divided by GAS
 
 
@@ -167,6 +172,7 @@ def updates(cell: Cell, semantics: str = CORRECT) -> list[list[list[tuple[int, f
         m += length
         if semantics in (NOOP, NO_UPDATE):
             result.append([])
+
         elif cell.own_style and cell.gas == 1:
             result.append([[(s, 1.0)] for s in steps])
         else:
@@ -251,6 +257,37 @@ def bf16_fp32_accumulator(cell: Cell) -> bool:
     return cell.dtype == "bf16" and cell.accum_fp32 and cell.stage == 1 and not cell.offload
 
 
+def bf16_unfused(cell: Cell, deepspeed_version: str) -> bool:
+    """Whether the engine trains the bf16 cell with FP16_UnfusedOptimizer, the fp16 optimizer (measured by the
+    optimizer's class): ZeRO-0 from 0.17.6 (DeepSpeed's DDP_BFLOAT16 wrapper; 0.17.5 wraps nothing), and the
+    ZeRO-1 fp32-accumulator configuration on 0.17.6 - 0.18.4 (bf16_fp32_accumulator()). Up to 0.18.5 it keeps
+    fp16's loss scale and, under ZeRO-0, its gradients across steps (deepspeed-bf16-loss-scale)."""
+    if cell.dtype != "bf16" or not version_in_range(deepspeed_version, ">=0.17.6"):
+        return False
+    return cell.stage == 0 or (bf16_fp32_accumulator(cell) and version_in_range(deepspeed_version, "<0.18.5"))
+
+
+def bf16_unfused_broken(cell: Cell, deepspeed_version: str) -> str | None:
+    """What FP16_UnfusedOptimizer does to the bf16 cell before 0.18.6 (DeepSpeed #7837): NO_UPDATE on 0.18.3 -
+    0.18.5 (engine.backward no longer applies the loss scale step() divides by), CARRIED under ZeRO-0 on 0.17.6 -
+    0.18.2 (never zeroed; the scale is applied; a resumed engine starts without gradients, so its window is right),
+    None where it is right (measured 0.17.5, 0.17.6, 0.18.0, 0.18.2, 0.18.3, 0.18.5, 0.18.6)."""
+    if not bf16_unfused(cell, deepspeed_version) or not version_in_range(deepspeed_version, "<0.18.6"):
+        return None
+    if version_in_range(deepspeed_version, ">=0.18.3"):
+        return NO_UPDATE
+    return CARRIED if cell.stage == 0 and not cell.resume else None
+
+
+def bf16_checkpoint_drops_optimizer(cell: Cell, deepspeed_version: str) -> bool:
+    """A ZeRO-0 bf16 checkpoint resumed on 0.17.6 - 0.18.4: the engine counts bf16 as ZeRO optimizer state
+    (``zero_optimization() or bfloat16_enabled()``) and saves FP16_UnfusedOptimizer's state nowhere, so the resumed
+    engine's first step writes back the master weights of the model it was built from (measured 0.18.0, 0.18.3:
+    update error 5.07 after the resumed window; 0.18.5 tests zero_optimization() alone: right)."""
+    return (cell.resume and cell.stage == 0 and bf16_unfused(cell, deepspeed_version)
+            and version_in_range(deepspeed_version, "<0.18.5"))
+
+
 def bf16_boundary_unaveraged(cell: Cell, deepspeed_version: str) -> bool:
     """0.18.5 - 0.18.9 all-reduce the BF16_Optimizer's accumulator before the boundary micro-batch is added
     (deepspeed-bf16-boundary-reduction; the method is broken from 0.18.3, the optimizer built from 0.18.5):
@@ -304,9 +341,12 @@ def known_unpatched(cell: Cell, deepspeed_version: str) -> str:
     manual = cell.style in MANUAL_STYLES  # several unflagged backwards per step()
     if manual and cell.gas > 1:
         return NOOP
+    if bf16_checkpoint_drops_optimizer(cell, deepspeed_version):
+        return LOST
+    unfused = bf16_unfused_broken(cell, deepspeed_version)
+    if unfused:
+        return unfused
     if bf16_fp32_accumulator(cell):  # its fp32 accumulator adds every backward, boundary or not
-        if version_in_range(deepspeed_version, ">=0.18.3,<0.18.5"):  # measured 0.18.3 (0.18.4 by its source)
-            return NO_UPDATE
         return UNAVERAGED if bf16_boundary_unaveraged(cell, deepspeed_version) else CORRECT
     if cell.style == "g" and cell.stage in (1, 2) and boundary_replaces(deepspeed_version):
         return TWICE  # the micro-batch's second boundary backward replaces the first (before 0.17.6: adds)
@@ -353,10 +393,10 @@ def offload_cells() -> list[Cell]:
 def known_patched(cell: Cell, deepspeed_version: str) -> str:
     """With every DeepSpeed fix applied: every window applied, every gradient divided once, except where
     zerofix follows DeepSpeed because a right usage looks the same: several backwards per step() at config
-    GAS > 1 (NOOP), and ZeRO-1/2's own style with several backwards per micro-batch (TWICE); and the bf16
-    configuration that applies nothing on 0.18.3 (NO_UPDATE), which no entry fixes yet."""
+    GAS > 1 (NOOP), and ZeRO-1/2's own style with several backwards per micro-batch (TWICE); and the resumed
+    ZeRO-0 bf16 checkpoint that holds no optimizer state (LOST), which no entry fixes."""
     unpatched = known_unpatched(cell, deepspeed_version)
-    return unpatched if unpatched in (NOOP, TWICE, NO_UPDATE) else CORRECT
+    return unpatched if unpatched in (NOOP, TWICE, LOST) else CORRECT
 
 
 def ambiguity_cells(deepspeed_version: str) -> list[Cell]:
@@ -401,12 +441,19 @@ def direct_backward_cells(deepspeed_version: str) -> list[Cell]:
 BF16_BOUND = 16 * 2.0 ** -8  # 16 bf16 rounding units: measured 2.2e-2 (ZeRO-0/1/2) and 1.2e-2 (ZeRO-3)
 
 
-def bf16_norm_misreported(cell: Cell, deepspeed_version: str) -> bool:
-    """0.18.0 trains the bf16 + fp32-accumulator configuration with FP16_UnfusedOptimizer (bf16_fp32_accumulator()):
-    the update is right, the gradient norm it reports is the loss-scaled one, 65536 times too large (measured
-    10486.7 for 0.160): not fixed by zerofix, its norms are not compared."""
-    return bf16_fp32_accumulator(cell) and version_in_range(deepspeed_version, "==0.18.0")
+LOSS_SCALE = 2.0 ** 16  # fp16's initial dynamic loss scale, which FP16_UnfusedOptimizer keeps in bf16 before 0.18.6
 
+
+def bf16_norm_misreported(cell: Cell, deepspeed_version: str) -> bool:
+    """0.17.6 - 0.18.2 train bf16 through FP16_UnfusedOptimizer (bf16_unfused()) with fp16's loss scale applied:
+    the gradient norm the engine reports is the scaled one, LOSS_SCALE times too large (measured 10486.7 for 0.160
+    on 0.17.6, 0.18.0, 0.18.2; deepspeed-bf16-loss-scale)."""
+    return bf16_unfused(cell, deepspeed_version) and version_in_range(deepspeed_version, "<0.18.3")
+
+
+# ZeRO-0 bf16 on 0.17.6 - 0.18.2, unpatched, 2 ranks: the second window's update error against the reference, its
+# gradient carrying the first window's (measured 0.17.6, 0.18.0, 0.18.2: the same to 4 digits)
+MEASURED_CARRIED = {"z0-gas4-b": 0.7556, "z0-gas4-f": 0.5746, "z0-gas1-a": 0.7602}
 
 # ZeRO-1 bf16 + fp32 accumulator, unpatched, 2 ranks: the first window's update error against the reference
 # (data of zerofix.check.models; measured on 0.18.9)
@@ -420,12 +467,15 @@ def bf16_accumulator_cells() -> list[Cell]:
             Cell(1, 1, "a", dtype="bf16", accum_fp32=True)]
 
 
-def bf16_cells(deepspeed_version: str) -> list[Cell]:
-    """bf16 (ZeRO-0: DeepSpeed's BF16_Optimizer on 0.16, FP16_UnfusedOptimizer from 0.18; bf16 ZeRO-1/2/3; fp16
-    does not run on CPU): manual
-    accumulation at config GAS=1 and 4, and DeepSpeed's own style at GAS=4. ZeRO-0 bf16 is left out on
-    0.18.0 - 0.18.3, where DeepSpeed's own loop is already wrong on CPU (0.18.0: update error 0.76 in every
-    style; 0.18.3: no update at all), whatever zerofix does (it then equals DeepSpeed's own style)."""
-    broken_zero0 = version_in_range(deepspeed_version, ">=0.18.0,<0.18.4")
-    return [Cell(stage, gas, style, dtype="bf16") for stage in (0, 1, 2, 3) for gas, style in ((1, "a"), (4, "a"), (4, "b"))
-            if not (stage == 0 and broken_zero0)]
+def bf16_cells() -> list[Cell]:
+    """bf16 (ZeRO-0: DeepSpeed's BF16_Optimizer on 0.16, FP16_UnfusedOptimizer from 0.17.6; bf16 ZeRO-1/2/3; fp16
+    does not run on CPU): manual accumulation at config GAS=1 and 4, and DeepSpeed's own style at GAS=4."""
+    return [Cell(stage, gas, style, dtype="bf16") for stage in (0, 1, 2, 3) for gas, style in ((1, "a"), (4, "a"), (4, "b"))]
+
+
+def bf16_loss_scale_cells() -> list[Cell]:
+    """ZeRO-0 in bf16 (FP16_UnfusedOptimizer from 0.17.6; deepspeed-bf16-loss-scale's range and both sides of it):
+    DeepSpeed's own style at GAS=4 with and without clipping, manual accumulation at config GAS=1, and a checkpoint
+    resumed at a window boundary."""
+    return [Cell(0, 4, "b", dtype="bf16"), Cell(0, 4, "f", dtype="bf16"), Cell(0, 1, "a", dtype="bf16"),
+            Cell(0, 1, "a", resume=True, dtype="bf16")]

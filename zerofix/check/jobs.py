@@ -99,11 +99,12 @@ def ds_cell(name: str) -> accumulation.Cell:
     """deepspeed-zero<s>-manual: 4 backwards then step(), config GAS=1 (the loop divides by 4);
     deepspeed-zero<s>-own: backward + step() per micro-batch, config GAS=4 (DeepSpeed divides);
     deepspeed-zero<s>-offload-*: the same with the optimizer offloaded to the CPU;
-    deepspeed-zero<s>-bf16-*: in bf16 with an fp32 gradient accumulator."""
+    deepspeed-zero1-bf16-*: in bf16 with an fp32 gradient accumulator (DeepSpeed's BF16_Optimizer);
+    deepspeed-zero0-bf16-*: in bf16 (FP16_UnfusedOptimizer from 0.17.6)."""
     stage = int(name.split("-")[1][len("zero"):])
     options = {"offload": "-offload-" in name}
     if "-bf16-" in name:
-        options.update(dtype="bf16", accum_fp32=True)
+        options.update(dtype="bf16", accum_fp32=stage == 1)
     if name.endswith("-manual"):
         return accumulation.Cell(stage, 1, "a", **options)
     return accumulation.Cell(stage, 4, "b", **options)
@@ -128,11 +129,18 @@ def deepspeed(job, rows, nproc, timeout, workdir, *, cells=None, base_config=Non
             engine = (runtime or {}).get("engine")
             if engine is not None and not engine.get("flushed"):  # it followed DeepSpeed: it changed nothing here
                 applied = [f for f in applied if f != "deepspeed-manual-accumulation"]
+            # each bf16 entry acts on one optimizer class only: not named where DeepSpeed built another
+            built = (runtime or {}).get("optimizer")
+            applied = [f for f in applied if _BF16_OPTIMIZER.get(f, built) == built]
             entry["applied"] = applied
             out[row.name] = entry
         return out
 
     return Planned([request], results)
+
+
+_BF16_OPTIMIZER = {"deepspeed-bf16-boundary-reduction": "BF16_Optimizer",
+                   "deepspeed-bf16-loss-scale": "FP16_UnfusedOptimizer"}
 
 
 def _ds_outcome(init: dict, snapshots: list[dict], cell, world: int) -> dict:

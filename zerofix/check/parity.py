@@ -185,6 +185,7 @@ def compare_variants(out_dir: Path, records: list[dict], *, model: str, nproc: i
             comparison["vs_last"] = reference.compare(init, final, last)
         results[variant] = {**comparison, "windows": [len(w) for w in windows],
                             "rank_status": [{s["id"]: s["state"] for s in r["status"]} for r in ranks],
+                            "grad_norms": [r.get("grad_norms", []) for r in ranks],
                             "rank_runtime": [{s["id"]: s.get("runtime", ()) for s in r["status"]} for r in ranks]}
     return results
 

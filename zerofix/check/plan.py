@@ -80,10 +80,14 @@ SCENARIOS: tuple[Scenario, ...] = (
                "config GAS=1, 4 x backward then step()", ("deepspeed-manual-accumulation",)) for s in (1, 2)),
     Scenario("deepspeed-zero2-offload-own", "deepspeed", "raw DeepSpeed ZeRO-2 + CPU optimizer offload, config GAS=4, "
              "backward + step() per micro-batch", ("deepspeed-offload-accumulator",)),
-    # DeepSpeed's BF16_Optimizer: bf16 with an fp32 gradient accumulator (data_types.grad_accum_dtype)
+    # DeepSpeed's BF16_Optimizer: bf16 with an fp32 gradient accumulator (data_types.grad_accum_dtype); FP16_UnfusedOptimizer
+    # on 0.17.6 - 0.18.4
     Scenario("deepspeed-zero1-bf16-own", "deepspeed", "raw DeepSpeed ZeRO-1, bf16 + fp32 gradient accumulator, config "
-             "GAS=4, backward + step() per micro-batch", ("deepspeed-bf16-boundary-reduction",),
+             "GAS=4, backward + step() per micro-batch", ("deepspeed-bf16-boundary-reduction", "deepspeed-bf16-loss-scale"),
              tolerance=BF16_BOUND),
+    # ZeRO-0 in bf16: FP16_UnfusedOptimizer from 0.17.6
+    Scenario("deepspeed-zero0-bf16-own", "deepspeed", "raw DeepSpeed ZeRO-0, bf16, config GAS=4, backward + step() per "
+             "micro-batch", ("deepspeed-bf16-loss-scale",), tolerance=BF16_BOUND),
     *(Scenario(f"zero3-loss-{where}", "zero3-loss", f"zerofix.chunked_cross_entropy on a ZeRO-3 head, {where} "
                "engine.forward", patchable=False) for where in ("inside", "outside")),
     # Compared with the same SFTTrainer run with loss_type="nll" (full logits): losses and grad norms.
@@ -127,10 +131,13 @@ def user_scenarios(cfg, *, model_name: str | None = None, tied: bool = False, ta
     "sequence" for a sequence classifier (the Trainer's row trains it, the accelerate row a tiny Llama)."""
     tolerance = BF16_TOLERANCE if cfg.dtype == "bf16" else None
     lm = model_name if model_name and task == "token" else "tiny Llama"
-    # ZeRO-1 in bf16 with an fp32 gradient accumulator trains through DeepSpeed's BF16_Optimizer (0.18.5+)
+    # ZeRO-1 in bf16 with an fp32 gradient accumulator trains through DeepSpeed's BF16_Optimizer (0.18.5+), and through
+    # FP16_UnfusedOptimizer on 0.17.6 - 0.18.4, as ZeRO-0 in bf16 does from 0.17.6
     bf16_accumulator = (cfg.dtype == "bf16" and cfg.stage == 1 and not cfg.offload
                         and cfg.ds.get("data_types", {}).get("grad_accum_dtype") is not None)
-    bf16 = ("deepspeed-bf16-boundary-reduction",) if bf16_accumulator else ()
+    bf16 = ("deepspeed-bf16-boundary-reduction", "deepspeed-bf16-loss-scale") if bf16_accumulator else ()
+    if cfg.dtype == "bf16" and cfg.stage == 0:
+        bf16 = ("deepspeed-bf16-loss-scale",)
     engine = (("deepspeed-offload-accumulator",) if cfg.offload == "cpu" else ()) + bf16  # what every row's engine is
     if task == "sequence":
         rows = [Scenario("trainer-seq-cls", "your-trainer", f"Trainer, your config, {model_name}",

@@ -29,15 +29,9 @@ class Known(NamedTuple):
     note: str
 
 
-# A deviation measured without a catalogue entry yet is listed here until it has one (the last two notes went
-# with deepspeed-output-hook-division and accelerate-deepspeed-no-sync).
-KNOWN: tuple[Known, ...] = (
-    Known(("deepspeed-zero1-bf16-own",), (("deepspeed", ">=0.18.3,<0.18.5"),),
-          "DeepSpeed 0.18.3 - 0.18.4 build FP16_UnfusedOptimizer for bf16 + an fp32 gradient accumulator (their "
-          "BFLOAT16 and DDP_BFLOAT16 constants are equal); its loss scale divides a gradient nobody scaled, so no "
-          "update is applied (DeepSpeed #7837, fixed in 0.18.6; measured on 0.18.3). Not fixed by zerofix: use "
-          "DeepSpeed >= 0.18.6, or leave grad_accum_dtype unset."),
-)
+# A deviation measured without a catalogue entry yet is listed here until it has one (the last three notes went
+# with deepspeed-output-hook-division, accelerate-deepspeed-no-sync and deepspeed-bf16-loss-scale).
+KNOWN: tuple[Known, ...] = ()
 
 
 def is_right(outcome: dict | None, tolerance: float = TOLERANCE) -> bool:

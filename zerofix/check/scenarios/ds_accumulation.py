@@ -275,14 +275,15 @@ def _zerofix_active() -> bool:
 
 
 def _runtime(engine) -> dict:
-    """This fix's status, and what it saw on this engine."""
+    """This fix's status, what it saw on this engine, and the class of the optimizer DeepSpeed built (the bf16
+    entries act on one class each)."""
     import zerofix
 
     records = zerofix.status()
     record = next(r for r in records if r.id == FIX)
     seen = [e for e in record.runtime if e["engine"] == f"0x{id(engine):x}"]
     return {"state": record.state, "engine": seen[0] if seen else None,
-            "states": {r.id: r.state for r in records}}
+            "states": {r.id: r.state for r in records}, "optimizer": type(engine.optimizer).__name__}
 
 
 def run(argv=None) -> None:

@@ -181,7 +181,12 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
             weights = final_weights(model, args.zero_stage)  # collective under ZeRO-3: every rank
             if rank == 0:
                 torch.save(weights, vdir / f"step{state.global_step}.pt")
+            engine_norm = getattr(trainer.model_wrapped, "get_global_grad_norm", None)  # what the Trainer logs
+            if engine_norm is not None:
+                norm = engine_norm()
+                grad_norms.append(None if norm is None else float(norm))
 
+    grad_norms = []  # DeepSpeed's global gradient norm after each optimizer step
     extra = {"compute_loss_func": mean_loss_func} if args.loss == "func-mean" else {}
     trainer = RecordingTrainer(model=model, args=training_args, train_dataset=dataset,
                                data_collator=models.stack, callbacks=[Snapshots()], **extra)
@@ -192,7 +197,7 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
     record = {
         "rank": rank, "world": world, "variant": variant, "model": args.model, "loss": args.loss, "gas": args.gas,
         "average_tokens": bool(getattr(training_args, "average_tokens_across_devices", False)), "cell_dir": out.name,
-        "windows": [windows[s] for s in sorted(windows)],
+        "windows": [windows[s] for s in sorted(windows)], "grad_norms": grad_norms,
         "status": [r.to_dict() for r in zerofix.status()],
     }
     (vdir / f"rank{rank}.json").write_text(json.dumps(record))
