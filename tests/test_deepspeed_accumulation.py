@@ -20,7 +20,7 @@ import torch
 from conftest import detect_stack, uses
 from zerofix import catalogue, versions
 from zerofix.check import accumulation, parity, reference
-from zerofix.check.accumulation import CARRIED, CORRECT, ERROR, LOST, NOOP, UNAVERAGED, WRONG
+from zerofix.check.accumulation import CARRIED, CORRECT, ERROR, LOST, NOOP, SPLIT, UNAVERAGED, WRONG
 
 FIX = "deepspeed-manual-accumulation"
 STACKS = ("latest", "2026-04", "2025-12", "2025-10", "2025-01")
@@ -43,10 +43,11 @@ DIRECT = accumulation.direct_backward_cells(metadata.version("deepspeed"))
 BF16 = accumulation.bf16_cells() if NEWEST or STACK == "2025-01" else []
 BF16 += accumulation.bf16_accumulator_cells()  # deepspeed-bf16-boundary-reduction's range and both sides of it
 BF16 += accumulation.bf16_loss_scale_cells()  # deepspeed-bf16-loss-scale's range and both sides of it
+GRAD_STEP = accumulation.flat_buffer_cells()  # deepspeed-zero12-flat-buffer's range and both sides of it
 MATRIX = (accumulation.matrix() if NEWEST else accumulation.matrix(optimizers=("sgd",))
           + [accumulation.Cell(stage, 1, "a", "adamw") for stage in (0, 1, 2, 3)])  # the resumed cells' twins
 CELLS = list(dict.fromkeys(MATRIX + accumulation.extra_cells() + TRANSPARENT + TAKEOVER + DIRECT
-                           + BF16 + accumulation.offload_cells() + AMBIGUOUS))
+                           + BF16 + accumulation.offload_cells() + AMBIGUOUS + GRAD_STEP))
 pytestmark = [pytest.mark.distributed, pytest.mark.stack(*STACKS)]
 
 
@@ -87,6 +88,9 @@ def test_unpatched_shows_what_deepspeed_is_known_to_do(runs, cell):
     raised = runs["unpatched"][cell.name]["errors"]
     if known == ERROR:  # 0.17.6-0.18.2: the second boundary backward before step() zips over None
         assert all(e and e.startswith("TypeError") for e in raised), raised
+        return
+    if known == SPLIT:  # 0.18.7-0.18.9, step() in grad mode: the flat buffer's views written in place, every rank
+        assert all(e and e.startswith("RuntimeError") and "Output 0 of Split is a view" in e for e in raised), raised
         return
     assert raised == [None] * runs["world"], raised
     if known == LOST:  # the resumed window starts from the master weights of the engine's own model

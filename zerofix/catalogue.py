@@ -208,6 +208,25 @@ FIXES: tuple[Fix, ...] = (
         "65536 times too large on 0.17.6 - 0.18.2",
     ),
     Fix(
+        id="deepspeed-zero12-flat-buffer",
+        title="ZeRO-1/2 build their flat parameter buffer with an autograd graph: step() raises 'Output 0 of Split is "
+        "a view' on gloo",
+        dist="deepspeed",
+        # DeepSpeed PR #7828 (0.18.7) flattens on the accelerator, #7948 (0.19.0) detaches. Measured, ZeRO-1/2 on 2 gloo
+        # ranks, step() in grad mode: 0.18.6 runs, 0.18.7 - 0.18.9 raise, 0.19.0 runs; the structural check finds the
+        # undetached flatten in 0.18.7 - 0.18.9 only
+        affected=">=0.18.7,<0.19.0",
+        targets=(
+            Target("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned",
+                   "zerofix.fixes.deepspeed_zero12_flat_buffer:flatten_dense_tensors_aligned"),
+        ),
+        implementation="zerofix.fixes.deepspeed_zero12_flat_buffer",
+        upstream=("https://github.com/deepspeedai/DeepSpeed/pull/7948",),
+        fixed_in="0.19.0",
+        where="ZeRO-1/2 on 2+ ranks with gloo (CPU), engine.step() in grad mode (the Trainer, accelerate, any loop "
+        "without torch.no_grad()): RuntimeError at the first optimizer step, on every rank",
+    ),
+    Fix(
         id="deepspeed-offload-accumulator",
         title="ZeRO-2 with optimizer offload applies only the first and last micro-batch of each window",
         dist="deepspeed",

@@ -36,6 +36,8 @@ OWN_STYLES = ("b", "f", "g")  # backward + step() per micro-batch
 # several unflagged backwards per step(), outside DeepSpeed's no_sync() / coalesce_grad_reduction()
 MANUAL_STYLES = ("a", "d", "e", "short", "z")
 CORRECT, LAST, NOOP, DOUBLE, TRIPLE, ERROR = "correct", "last", "noop", "double", "triple", "error"
+# ZeRO-1/2's step() in grad mode on 0.18.7 - 0.18.9 (2+ gloo ranks): RuntimeError "Output 0 of Split is a view"
+SPLIT = "split"
 # DeepSpeed's own style with two backwards per micro-batch under ZeRO-1/2 from 0.17.6: the window's last
 # micro-batch runs both its backwards as boundaries and the second replaces the first (update error 0.87,
 # measured 0.18.9 and 0.19.8; 0.16.3's epilogue adds both: right)
@@ -79,6 +81,9 @@ class Cell(NamedTuple):
     grad_clip: float | None = None  # gradient_clipping (None: the style's, CLIP for e/f, else 0)
     # bf16 with "data_types": {"grad_accum_dtype": "fp32"}: ZeRO-1 then runs DeepSpeed's BF16_Optimizer
     accum_fp32: bool = False
+    # engine.step() in grad mode, as the Trainer and accelerate call it (by default the loop calls it under
+    # torch.no_grad(), where DeepSpeed 0.18.7 - 0.18.9's ZeRO-1/2 step runs on gloo: split_view_crash())
+    grad_step: bool = False
 
     @property
     def name(self) -> str:
@@ -95,8 +100,9 @@ class Cell(NamedTuple):
         length = f"-len{self.length}" if self.length else ""
         clip = "" if self.grad_clip is None else f"-clip{self.grad_clip:g}"
         accum = "-acc32" if self.accum_fp32 else ""
+        grad_step = "-gradstep" if self.grad_step else ""
         return (f"z{self.stage}{overlap}-gas{self.gas}-{self.style}-{self.optimizer}{resume}{logits}{scaled}"
-                f"{windows}{repeat}{probe}{direct}{offload}{dtype}{accum}{length}{clip}")
+                f"{windows}{repeat}{probe}{direct}{offload}{dtype}{accum}{length}{clip}{grad_step}")
 
     @property
     def clip(self) -> float:
@@ -257,6 +263,20 @@ def bf16_fp32_accumulator(cell: Cell) -> bool:
     return cell.dtype == "bf16" and cell.accum_fp32 and cell.stage == 1 and not cell.offload
 
 
+def split_view_crash(cell: Cell, deepspeed_version: str) -> bool:
+    """ZeRO-1/2 build their flat parameter buffer from the parameters themselves on 0.18.7 - 0.18.9, with an
+    autograd graph, and step() in grad mode then raises on gloo (deepspeed-zero12-flat-buffer; measured 0.18.7 -
+    0.18.9 on 2 ranks, fp32 and bf16; 0.18.6 and 0.19.0 run)."""
+    return cell.grad_step and cell.stage in (1, 2) and version_in_range(deepspeed_version, ">=0.18.7,<0.19.0")
+
+
+def flat_buffer_cells() -> list[Cell]:
+    """ZeRO-1/2 with engine.step() in grad mode (deepspeed-zero12-flat-buffer's range and both sides of it):
+    DeepSpeed's own style at GAS=4 in fp32 and bf16, and manual accumulation at config GAS=1."""
+    return [Cell(stage, 4, "b", dtype=dtype, grad_step=True) for stage in (1, 2) for dtype in ("fp32", "bf16")] + [
+        Cell(stage, 1, "a", grad_step=True) for stage in (1, 2)]
+
+
 def bf16_unfused(cell: Cell, deepspeed_version: str) -> bool:
     """Whether the engine trains the bf16 cell with FP16_UnfusedOptimizer, the fp16 optimizer (measured by the
     optimizer's class): ZeRO-0 from 0.17.6 (DeepSpeed's DDP_BFLOAT16 wrapper; 0.17.5 wraps nothing), and the
@@ -341,6 +361,8 @@ def known_unpatched(cell: Cell, deepspeed_version: str) -> str:
     manual = cell.style in MANUAL_STYLES  # several unflagged backwards per step()
     if manual and cell.gas > 1:
         return NOOP
+    if split_view_crash(cell, deepspeed_version):
+        return SPLIT
     if bf16_checkpoint_drops_optimizer(cell, deepspeed_version):
         return LOST
     unfused = bf16_unfused_broken(cell, deepspeed_version)

@@ -229,8 +229,10 @@ def run_cell(cell, init_state, rank, world, checkpoint_dir: Path) -> dict:
             if op[1]:
                 window_reads.append(probe.last_read)
             probe.step()
-        else:
-            with torch.no_grad():  # ZeRO-1/2 step() of deepspeed 0.18.x on torch 2.13 CPU needs it
+        elif cell.grad_step:  # as the Trainer and accelerate call it
+            engine.step()
+        else:  # DeepSpeed 0.18.7 - 0.18.9's ZeRO-1/2 step() raises in grad mode on gloo (accumulation.split_view_crash)
+            with torch.no_grad():
                 engine.step()
         if engine.global_steps != applied_before:
             norms.append(grad_norm(engine))

@@ -79,9 +79,10 @@ def user_config(args) -> dict | None:
 
 
 def step_without_grad_mode() -> None:
-    """DeepSpeed 0.18.x's ZeRO-1/2 optimizer step modifies a split view in place, which torch 2.13
-    rejects unless grad mode is off (a CPU/torch-version quirk, not a numerical bug). A
-    raw loop wraps engine.step() in torch.no_grad(); the Trainer cannot, so the scenario does it here."""
+    """DeepSpeed 0.18.7 - 0.18.9's ZeRO-1/2 step writes into views of a flat buffer built with an autograd graph,
+    which raises on gloo unless grad mode is off (deepspeed-zero12-flat-buffer fixes it, but the unpatched runs must
+    train too). A raw loop wraps engine.step() in torch.no_grad(); the Trainer cannot, so the scenario does it here
+    (tests/test_deepspeed_accumulation.py's ``-gradstep`` cells step in grad mode)."""
     import torch
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
