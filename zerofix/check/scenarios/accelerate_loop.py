@@ -9,11 +9,12 @@ every optimizer step (``step{k}.pt``, ``final.pt``); ``<out>/<cell>/init.pt`` th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
 
-from zerofix.check.scenarios.trainer_gas import final_weights, step_without_grad_mode, user_config
+from zerofix.check.scenarios.trainer_gas import final_weights, steps_without_grad_mode, user_config
 from zerofix.check.session import collect_and_freeze, freeze_once
 
 BATCH = 2
@@ -115,18 +116,17 @@ def run(argv=None):
     from zerofix.check import models  # noqa: F401  (transformers, torch imported before the gc freeze)
 
     freeze_once()  # DeepSpeed 0.18.x's gc.collect() calls would scan every library object
-    if args.zero_stage is not None:
-        step_without_grad_mode()
     cells = json.loads(Path(args.cells).read_text())
     variants = {"off": ["unpatched"], "on": ["patched"], "both": ["unpatched", "patched"]}[args.zerofix]
-    for variant in variants:
-        if variant == "patched":
-            zerofix.patch(opt_in=[f for f in args.opt_in.split(",") if f])
-        for cell in cells:
-            cell_out = out / cell["name"]
-            cell_out.mkdir(parents=True, exist_ok=True)
-            train(args, cell, variant, cell_out, world, rank)
-            collect_and_freeze()  # see ds_accumulation: the next cell's collections skip what this one left
+    with steps_without_grad_mode() if args.zero_stage is not None else contextlib.nullcontext():
+        for variant in variants:
+            if variant == "patched":
+                zerofix.patch(opt_in=[f for f in args.opt_in.split(",") if f])
+            for cell in cells:
+                cell_out = out / cell["name"]
+                cell_out.mkdir(parents=True, exist_ok=True)
+                train(args, cell, variant, cell_out, world, rank)
+                collect_and_freeze()  # see ds_accumulation: the next cell's collections skip what this one left
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Trainer, which also exercises patching after transformers was imported.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -78,24 +79,27 @@ def user_config(args) -> dict | None:
     return json.loads(Path(args.ds_config).read_text()) if args.ds_config else None
 
 
-def step_without_grad_mode() -> None:
+@contextlib.contextmanager
+def steps_without_grad_mode():
     """DeepSpeed 0.18.7 - 0.18.9's ZeRO-1/2 step writes into views of a flat buffer built with an autograd graph,
     which raises on gloo unless grad mode is off (deepspeed-zero12-flat-buffer fixes it, but the unpatched runs must
-    train too). A raw loop wraps engine.step() in torch.no_grad(); the Trainer cannot, so the scenario does it here
-    (tests/test_deepspeed_accumulation.py's ``-gradstep`` cells step in grad mode)."""
+    train too). A raw loop wraps engine.step() in torch.no_grad(); the Trainer cannot, so the scenario does it here,
+    for the length of its run only: a later run in the same session (tests/test_deepspeed_accumulation.py's
+    ``-gradstep`` cells step in grad mode) gets DeepSpeed's own step back."""
     import torch
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    original = DeepSpeedZeroOptimizer.step
-    if getattr(original, "_without_grad_mode", False):  # already wrapped (a session's earlier run)
-        return
+    original = DeepSpeedZeroOptimizer.__dict__["step"]
 
     def step(self, *args, **kwargs):
         with torch.no_grad():
             return original(self, *args, **kwargs)
 
-    step._without_grad_mode = True
     DeepSpeedZeroOptimizer.step = step
+    try:
+        yield
+    finally:
+        DeepSpeedZeroOptimizer.step = original
 
 
 def final_weights(model, zero_stage) -> dict:
@@ -213,10 +217,13 @@ def run(argv=None):
         from accelerate import PartialState
 
         PartialState(backend="gloo")  # accelerate >= 1.13 on CPU otherwise sees one process
+    with steps_without_grad_mode() if args.zero_stage is not None else contextlib.nullcontext():
+        _train_variants(args, out, world, rank)
+
+
+def _train_variants(args, out: Path, world: int, rank: int) -> None:
     import zerofix
 
-    if args.zero_stage is not None:
-        step_without_grad_mode()
     runs = [(args, out)]
     if args.cells:
         cells = json.loads(Path(args.cells).read_text())
