@@ -34,3 +34,13 @@ def parameter_names(func, qualname: str) -> list[str]:
 def source_tree(func) -> ast.AST:
     """The parsed source of ``func`` (never run). OSError, TypeError or SyntaxError when it cannot be read."""
     return ast.parse(textwrap.dedent(inspect.getsource(func)))
+
+
+def self_attributes(func) -> set[str]:
+    """The ``self.<name>`` attributes ``func``'s source refers to (empty when it cannot be read)."""
+    try:
+        tree = source_tree(func)
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    return {n.attr for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"}

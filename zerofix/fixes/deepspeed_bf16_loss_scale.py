@@ -52,7 +52,7 @@ def structural_check(fix_id: str, targets) -> Check:
     if known & {"low_precision_dtype", "loss_scale_config"}:
         return drifted("FP16_UnfusedOptimizer is told its dtype: not the release measured broken")
     for attribute in ("cur_scale", "dynamic_loss_scale"):
-        if attribute not in _self_attributes(FP16_UnfusedOptimizer.__init__):
+        if attribute not in _inspect.self_attributes(FP16_UnfusedOptimizer.__init__):
             return drifted(f"FP16_UnfusedOptimizer no longer sets self.{attribute}")
     if "low_precision_dtype" not in _inspect.parameter_names(targets[CONFIGURE], CONFIGURE):
         return drifted(f"{CONFIGURE} takes no low_precision_dtype: not the release measured broken")
@@ -80,15 +80,6 @@ def zero_grad_gate_drift(func) -> str | None:
 def _calls(node, method: str) -> bool:
     return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == method
                for n in ast.walk(node))
-
-
-def _self_attributes(func) -> set[str]:
-    try:
-        tree = _inspect.source_tree(func)
-    except (OSError, TypeError, SyntaxError):
-        return set()
-    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
-            and isinstance(n.value, ast.Name) and n.value.id == "self"}
 
 
 def trains_bf16(optimizer) -> bool:

@@ -52,7 +52,7 @@ def structural_check(fix_id: str, targets) -> Check:
         return drifted(drift)
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    assigned = _self_attributes(DeepSpeedZeroOptimizer.__init__)
+    assigned = _inspect.self_attributes(DeepSpeedZeroOptimizer.__init__)
     for name in ("bit16_groups", "all_grad_tensors", "averaged_gradients", "cpu_offload"):
         if name not in assigned:
             return drifted(f"DeepSpeedZeroOptimizer no longer sets self.{name}")
@@ -90,15 +90,6 @@ def _assigned(body) -> set[str]:
                     if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Attribute):
                         out.add(target.value.attr)
     return out
-
-
-def _self_attributes(func) -> set[str]:
-    try:
-        tree = _inspect.source_tree(func)
-    except (OSError, TypeError, SyntaxError):
-        return set()
-    return {n.attr for n in ast.walk(tree)
-            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"}
 
 
 def epilogue(wrapped, optimizer, args, kwargs):
