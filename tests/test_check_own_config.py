@@ -411,6 +411,30 @@ def test_own_bf16_configuration_with_an_fp32_accumulator_on_2026_04(tmp_path):
     assert document["exit_code"] == 0
 
 
+# DeepSpeed 0.18.3 builds FP16_UnfusedOptimizer for ZeRO-1 bf16 + fp32 accumulator: no update unpatched. The
+# Trainer passes scale_wrt_gas=False, which 0.18.3's output hook ignores (deepspeed-scale-wrt-gas); accelerate's loss
+# is divided at both outputs (deepspeed-output-hook-division).
+LOSS_SCALE = "deepspeed-bf16-loss-scale"
+OWN_BF16_2025_12 = {"trainer-causal-lm": f"fixed by deepspeed-scale-wrt-gas + {LOSS_SCALE}",
+                    "accelerate-causal-lm": f"fixed by deepspeed-output-hook-division + {LOSS_SCALE}",
+                    "deepspeed-manual": f"fixed by {LOSS_SCALE}", "deepspeed-own": f"fixed by {LOSS_SCALE}"}
+
+
+@pytest.mark.distributed
+@pytest.mark.stack("2025-12")
+def test_own_bf16_configuration_with_an_fp32_accumulator_on_2025_12(tmp_path):
+    """The same configuration on DeepSpeed 0.18.3, which builds FP16_UnfusedOptimizer for it, not BF16_Optimizer:
+    no update at all unpatched (deepspeed-bf16-loss-scale). deepspeed-bf16-boundary-reduction is applied (in
+    range) but meets no optimizer of its class, so no row names it: the Trainer's rows from what the entry
+    changed (its runtime details), DeepSpeed's from the optimizer the engine built."""
+    document = check_json(tmp_path, "--deepspeed", write(tmp_path, "ds.json", ZERO1_BF16_FP32_ACCUMULATOR), "--bf16",
+                          "--gas", "4", "--skip", "trainer-custom")
+    assert verdicts(document) == OWN_BF16_2025_12, verdicts(document)
+    for row in document["scenarios"]:
+        assert "deepspeed-bf16-boundary-reduction" not in row["verdict"], row
+        assert row["patched"]["rel_err"] < plan.BF16_TOLERANCE, row
+
+
 @pytest.mark.distributed
 @pytest.mark.stack("latest")
 def test_own_configuration_with_a_tied_model_on_latest(tmp_path):

@@ -73,6 +73,8 @@ for name in ("bfloat16", "float16"):
     scale()
     fix.load_state_dict(optimizer.load_state_dict, optimizer, (saved,), {})
     scale()
+    out[name + "-changed"] = fix.runtime_details()
+    fix.reset_runtime()
 print(json.dumps(out))
 """
 
@@ -105,3 +107,11 @@ def test_a_bf16_optimizer_loses_its_scale_when_built_and_when_loaded(scales):
 @pytest.mark.stack("2025-10", "2025-12")
 def test_an_fp16_optimizer_keeps_its_scale(scales):
     assert scales["float16"] == [SCALED] * 4
+
+
+@pytest.mark.stack("2025-10", "2025-12")
+def test_the_runtime_details_count_what_was_changed(scales):
+    """What zerofix.status() shows, and what `zerofix check` names a row's fix from: the bf16 optimizer's scale
+    dropped twice (built, loaded), nothing done to the fp16 one."""
+    assert scales["bfloat16-changed"] == [{"scales_dropped": 2, "steps_zeroed": 0, "corrected": 2}]
+    assert scales["float16-changed"] == [{"scales_dropped": 0, "steps_zeroed": 0, "corrected": 0}]

@@ -50,3 +50,32 @@ def test_any_other_shape_drifts(shape, why):
 
 def test_a_function_without_source_drifts_with_the_reason():
     assert "source unavailable" in fix.drift_from_broken(len)
+
+
+def test_the_wrapper_moves_the_epilogue_and_counts_it():
+    """The wrapper runs a BF16_Optimizer's epilogue before the engine's (whose own call then does nothing), and its
+    runtime details count that (what zerofix.status() shows and `zerofix check` names a row's fix from); an engine
+    with another optimizer goes through untouched and uncounted."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    fix.reset_runtime()
+    ran = []
+    optimizer = BF16_Optimizer.__new__(BF16_Optimizer)  # its class is all the wrapper reads
+    optimizer.__dict__["backward_epilogue"] = lambda: ran.append("the optimizer's epilogue")
+    engine = SimpleNamespace(optimizer=optimizer)
+
+    def engine_epilogue():  # DeepSpeed's order: the all-reduce, then the optimizer's epilogue
+        ran.append("the reduction")
+        engine.optimizer.backward_epilogue()
+
+    fix.backward_epilogue(engine_epilogue, engine, (), {})
+    assert ran == ["the optimizer's epilogue", "the reduction"]
+    assert optimizer.__dict__["backward_epilogue"] is not fix._nothing  # restored after the engine's epilogue
+    other = SimpleNamespace(optimizer=object())
+    fix.backward_epilogue(lambda: ran.append("another engine's epilogue"), other, (), {})
+    assert ran[-1] == "another engine's epilogue"
+    assert fix.runtime_details() == [{"epilogues_moved": 1, "corrected": 1}]
+    fix.reset_runtime()
+    assert fix.runtime_details() == [{"epilogues_moved": 0, "corrected": 0}]

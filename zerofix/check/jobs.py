@@ -89,7 +89,8 @@ def _variant_rows(result: dict, fixes) -> dict:
 
 def _acted(result: dict, fix_id: str) -> bool:
     """False for an entry whose runtime details say it changed nothing in this cell's run (the Trainer's scaling:
-    its last trainer, the cell's, had no backward corrected on any rank); True otherwise."""
+    its last trainer, the cell's, had no backward corrected on any rank; a bf16 entry: it met no optimizer of the
+    class it acts on, DeepSpeed having built another); True otherwise."""
     runs = [r.get(fix_id) for r in result.get("rank_runtime", ())]
     last = [r[-1] for r in runs if r and isinstance(r[-1], dict) and "corrected" in r[-1]]
     return not last or any(d["corrected"] for d in last)

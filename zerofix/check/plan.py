@@ -14,7 +14,9 @@ from zerofix.versions import installed_version, version_in_range
 TRAINER_FIXES = ("transformers-trainer-scaling",)
 TRAINER_DS_FIXES = ("transformers-trainer-scaling", "deepspeed-scale-wrt-gas", "deepspeed-zero12-accumulator")
 DS_MANUAL_FIXES = ("deepspeed-manual-accumulation", "deepspeed-zero12-accumulator")
-DS_OWN_FIXES = ("deepspeed-zero12-accumulator", "deepspeed-scale-wrt-gas")
+# not deepspeed-scale-wrt-gas: it changes only a backward given scale_wrt_gas=False, which DeepSpeed's own loop
+# never passes (the Trainer does: TRAINER_DS_FIXES)
+DS_OWN_FIXES = ("deepspeed-zero12-accumulator",)
 
 
 class Job(NamedTuple):

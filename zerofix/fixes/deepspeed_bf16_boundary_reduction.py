@@ -96,6 +96,20 @@ def _called_methods(func) -> set[str]:
     return {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
 
 
+# what the wrapper changed in this process, for zerofix.status() and `zerofix check`'s rows (an entry in range that
+# met no BF16_Optimizer changed nothing, and is not named as a fix of that row)
+_changed = {"epilogues_moved": 0}
+
+
+def runtime_details() -> list[dict]:
+    """How many backward epilogues ran the optimizer's part before the reduction (``corrected``: the same)."""
+    return [{**_changed, "corrected": _changed["epilogues_moved"]}]
+
+
+def reset_runtime() -> None:
+    _changed["epilogues_moved"] = 0
+
+
 def _nothing(*args, **kwargs):
     """Stands in for the BF16 optimizer's backward_epilogue inside the engine's epilogue: it already ran."""
 
@@ -107,6 +121,7 @@ def backward_epilogue(wrapped, engine, args, kwargs):
     if not isinstance(optimizer, BF16_Optimizer):
         return wrapped(*args, **kwargs)
     optimizer.backward_epilogue()  # the micro-batch into the fp32 accumulator, before the all-reduce reads it
+    _changed["epilogues_moved"] += 1
     shadowed = optimizer.__dict__.get("backward_epilogue", _MISSING)
     optimizer.__dict__["backward_epilogue"] = _nothing
     try:
