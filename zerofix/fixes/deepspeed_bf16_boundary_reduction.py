@@ -32,6 +32,7 @@ from __future__ import annotations
 import ast
 
 from zerofix.fixes import _inspect
+from zerofix.fixes._changes import Changes
 from zerofix.fixes.contract import Check, drifted, found
 
 FIX_ID = "deepspeed-bf16-boundary-reduction"
@@ -96,18 +97,10 @@ def _called_methods(func) -> set[str]:
     return {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
 
 
-# what the wrapper changed in this process, for zerofix.status() and `zerofix check`'s rows (an entry in range that
-# met no BF16_Optimizer changed nothing, and is not named as a fix of that row)
-_changed = {"epilogues_moved": 0}
-
-
-def runtime_details() -> list[dict]:
-    """How many backward epilogues ran the optimizer's part before the reduction (``corrected``: the same)."""
-    return [{**_changed, "corrected": _changed["epilogues_moved"]}]
-
-
-def reset_runtime() -> None:
-    _changed["epilogues_moved"] = 0
+# how many backward epilogues ran the optimizer's part before the reduction (none: no BF16_Optimizer met)
+_changes = Changes("epilogues_moved")
+runtime_details = _changes.runtime_details
+reset_runtime = _changes.reset_runtime
 
 
 def _nothing(*args, **kwargs):
@@ -121,7 +114,7 @@ def backward_epilogue(wrapped, engine, args, kwargs):
     if not isinstance(optimizer, BF16_Optimizer):
         return wrapped(*args, **kwargs)
     optimizer.backward_epilogue()  # the micro-batch into the fp32 accumulator, before the all-reduce reads it
-    _changed["epilogues_moved"] += 1
+    _changes.count("epilogues_moved")
     shadowed = optimizer.__dict__.get("backward_epilogue", _MISSING)
     optimizer.__dict__["backward_epilogue"] = _nothing
     try:

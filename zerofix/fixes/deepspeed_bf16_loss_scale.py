@@ -35,6 +35,7 @@ from __future__ import annotations
 import ast
 
 from zerofix.fixes import _inspect
+from zerofix.fixes._changes import Changes
 from zerofix.fixes.contract import Check, drifted, found
 
 FIX_ID = "deepspeed-bf16-loss-scale"
@@ -42,9 +43,11 @@ FIX_IDS = (FIX_ID,)
 CONFIGURE = "DeepSpeedEngine._configure_fp16_optimizer"
 STEP = "DeepSpeedEngine._take_model_step"
 LOAD = "FP16_UnfusedOptimizer.load_state_dict"
-# what the wrappers changed in this process, for zerofix.status() and `zerofix check`'s rows (an entry in range
-# that met no bf16 FP16_UnfusedOptimizer changed nothing, and is not named as a fix of that row)
-_changed = {"scales_dropped": 0, "steps_zeroed": 0}
+# loss scales dropped (an optimizer built or loaded), gradients zeroed after a step (none: no bf16
+# FP16_UnfusedOptimizer met)
+_changes = Changes("scales_dropped", "steps_zeroed")
+runtime_details = _changes.runtime_details
+reset_runtime = _changes.reset_runtime
 
 
 def structural_check(fix_id: str, targets) -> Check:
@@ -99,17 +102,7 @@ def drop_loss_scale(optimizer) -> None:
     """0.18.6's loss scale for bf16: static 1.0 (LossScaleConfig: no grad scaling unless fp16)."""
     optimizer.dynamic_loss_scale = False
     optimizer.cur_scale = 1.0
-    _changed["scales_dropped"] += 1
-
-
-def runtime_details() -> list[dict]:
-    """How often the wrappers changed something: a loss scale dropped (an optimizer built or loaded), gradients
-    zeroed after a step; ``corrected`` is their sum."""
-    return [{**_changed, "corrected": sum(_changed.values())}]
-
-
-def reset_runtime() -> None:
-    _changed.update(dict.fromkeys(_changed, 0))
+    _changes.count("scales_dropped")
 
 
 def configure_fp16_optimizer(wrapped, engine, args, kwargs):
@@ -131,5 +124,5 @@ def take_model_step(wrapped, engine, args, kwargs):
     optimizer = getattr(engine, "optimizer", None)
     if trains_bf16(optimizer) and not engine.zero_optimization():
         optimizer.zero_grad()  # where 0.18.6's _take_model_step zeroes it: after step(), before the next backward
-        _changed["steps_zeroed"] += 1
+        _changes.count("steps_zeroed")
     return result
