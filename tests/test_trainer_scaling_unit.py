@@ -35,53 +35,122 @@ def trainer(torch_compile=False):
     t.accelerator, t.model = FakeAccelerator(), KwargsModel()
     t.model_accepts_loss_kwargs, t.compute_loss_func = True, None
     t.args = types.SimpleNamespace(gradient_accumulation_steps=4, average_tokens_across_devices=True,
-                                   torch_compile=torch_compile)
+                                   torch_compile=torch_compile, n_gpu=1)
+    t.state = types.SimpleNamespace()  # a new one at every train()
     return t
 
 
-def test_the_first_step_hands_on_a_watched_count_and_later_steps_the_count_itself():
-    t, seen = trainer(), []
+def run_step(t, count, loss_of=lambda n: torch.tensor(1.0)):
+    """One Trainer step whose loss is ``loss_of(the count the Trainer hands on)``; what reached the engine."""
+    seen, engine = [], []
 
     def step(model, inputs, num_items_in_batch):
         seen.append(num_items_in_batch)
-        fix.backward(lambda loss: None, t.accelerator, (torch.tensor(1.0),), {})
+        fix.backward(lambda loss: engine.append(loss), t.accelerator, (loss_of(num_items_in_batch),), {})
+        return torch.tensor(0.0)
 
-    count = torch.tensor(12)
     fix.training_step(step, t, (t.model, {}, count), {})
-    fix.training_step(step, t, (t.model, {}, count), {})
-    assert type(seen[0]) is not torch.Tensor and torch.equal(seen[0], count)  # watched, equal
-    assert seen[1] is count
-    assert fix.runtime_details()[-1]["loss"] == "ignores num_items_in_batch"
+    return seen[0], engine[0]
 
 
-def test_an_int_count_is_watched_as_a_tensor_once():
-    t, seen = trainer(), []
+def test_every_step_hands_on_a_watched_count_and_the_engine_a_plain_loss():
+    t, count = trainer(), torch.tensor(12)
+    for _ in range(3):
+        seen, loss = run_step(t, count, lambda n: torch.tensor(24.0) / n)
+        assert type(seen) is not torch.Tensor and torch.equal(seen, count)  # watched, equal
+        assert type(loss) is torch.Tensor and loss.item() == 2.0  # normalised: left to the Trainer
+    assert fix.runtime_details()[-1]["loss"] == "depends on num_items_in_batch"
 
-    def step(model, inputs, num_items_in_batch):
-        seen.append(num_items_in_batch)
-        fix.backward(lambda loss: None, t.accelerator, (torch.tensor(1.0),), {})
 
-    fix.training_step(step, t, (t.model, {}, 12), {})
-    fix.training_step(step, t, (t.model, {}, 12), {})
-    assert isinstance(seen[0], torch.Tensor) and int(seen[0]) == 12 and seen[1] == 12 and type(seen[1]) is int
+def test_the_verdict_is_each_steps_own():
+    """Issue 40: a loss that reads the count only from step 2 on (step 1's verdict was kept before)."""
+    t, count = trainer(), torch.tensor(12)
+    _, first = run_step(t, count)  # a mean: divided by the window's 4 micro-batches
+    _, second = run_step(t, count, lambda n: torch.tensor(24.0) / n)  # normalised: left as it is
+    _, third = run_step(t, count)
+    assert (first.item(), second.item(), third.item()) == (0.25, 2.0, 0.25)
+    details = fix.runtime_details()[-1]
+    assert (details["steps_depending"], details["steps_independent"]) == (1, 2)
+
+
+def test_a_new_run_reads_the_trainers_facts_again():
+    """Issue 40: train() again with another model (model_init): nothing read in the first run is kept."""
+    t, count = trainer(), torch.tensor(12)
+    run_step(t, count)
+    assert fix.known(t).stated is False
+    t.model_accepts_loss_kwargs = False  # the new model's guess differs from its signature: a statement
+    t.state = types.SimpleNamespace()
+    run_step(t, count)
+    assert fix.known(t).stated is True
+
+
+def test_an_int_count_is_watched_as_a_tensor_at_every_step():
+    t = trainer()
+    for _ in range(2):
+        seen, _ = run_step(t, 12)
+        assert isinstance(seen, torch.Tensor) and int(seen) == 12
 
 
 def test_no_count_no_watch():
     t, seen = trainer(), []
     fix.training_step(lambda m, i, n: seen.append(n), t, (t.model, {}, None), {})
-    assert seen == [None] and not fix.known(t).measured
+    assert seen == [None] and fix.known(t).reads is None
 
 
 def test_a_compiled_model_is_not_watched_and_the_belief_is_followed(caplog):
-    t, seen, losses = trainer(torch_compile=True), [], []
-
-    def step(model, inputs, num_items_in_batch):
-        seen.append(num_items_in_batch)
-        fix.backward(lambda loss: losses.append(loss), t.accelerator, (torch.tensor(1.0),), {})
-
-    count = torch.tensor(12)
+    t, count = trainer(torch_compile=True), torch.tensor(12)
     with caplog.at_level(logging.WARNING, logger="zerofix"):
-        fix.training_step(step, t, (t.model, {}, count), {})
-    assert seen == [count] and seen[0] is count
-    assert fix.known(t).measured and fix.known(t).reads is None and "torch.compile" in caplog.text
-    assert losses[0].item() == 1.0  # the Trainer's belief (normalised): nothing divided
+        seen, loss = run_step(t, count)
+    assert seen is count and fix.known(t).compiled and fix.known(t).reads is None and "torch.compile" in caplog.text
+    assert loss.item() == 1.0  # the Trainer's belief (normalised): nothing divided
+
+
+def test_a_rescaled_mean_is_warned_once_a_run_with_the_statement_that_stops_it(caplog):
+    """Issue 40: a classifier whose compute_loss divides by GAS itself looks like any mean; zerofix says so at
+    WARNING once a run, naming the statement, and the statement is then followed."""
+    t, count = trainer(), torch.tensor(12)
+    with caplog.at_level(logging.WARNING, logger="zerofix"):
+        run_step(t, count)
+        run_step(t, count)
+    assert caplog.text.count("does not depend on num_items_in_batch") == 1
+    assert "zerofix.loss_is_scaled_for_ga(trainer)" in caplog.text
+    import zerofix
+
+    zerofix.loss_is_scaled_for_ga(t)
+    _, loss = run_step(t, count)
+    assert loss.item() == 1.0  # stated per window: the Trainer's own path
+    zerofix.loss_is_scaled_for_ga(t, None)
+    _, loss = run_step(t, count)
+    assert loss.item() == 0.25
+
+
+@pytest.mark.parametrize("layout, name", [
+    ({"parallelism_config": types.SimpleNamespace(tp_size=2, cp_size=1, sp_size=1)}, "tensor parallel (tp_size=2)"),
+    ({"parallelism_config": types.SimpleNamespace(tp_size=1, cp_size=2, sp_size=1, cp_backend="torch")},
+     "context parallel (cp_size=2, torch)"),
+    ({"parallelism_config": types.SimpleNamespace(tp_size=1, cp_size=1, sp_size=4, sp_backend="deepspeed")},
+     "sequence parallel (sp_size=4, deepspeed)"),
+    ({"distributed_type": "XLA"}, "accelerate DistributedType.XLA"),
+    ({"distributed_type": "SOMETHING_NEW"}, "accelerate DistributedType.SOMETHING_NEW"),
+    ({"model": "tp"}, "tensor parallel (model _tp_size=2)"),
+    ({"n_gpu": 2}, "torch DataParallel (n_gpu=2)"),
+])
+def test_an_uncovered_path_is_left_to_the_trainer_and_said(caplog, layout, name):
+    """Issue 39: on a path the plan does not model the entry stands aside: the count is not watched, the loss
+    reaches the engine as the Trainer made it, and the log and zerofix status say "not covered: <path>"."""
+    from zerofix import paths
+
+    paths.reset()
+    t, count = trainer(), torch.tensor(12)
+    for key, value in layout.items():
+        if key == "model":
+            t.model._tp_size = 2
+        elif key == "n_gpu":
+            t.args.n_gpu = value
+        else:
+            setattr(t.accelerator, key, value)
+    with caplog.at_level(logging.WARNING, logger="zerofix"):
+        seen, loss = run_step(t, count)
+    assert seen is count and loss.item() == 1.0  # a mean the covered path would divide by 4
+    assert f"not covered: {name}" in caplog.text
+    assert paths.not_covered(fix.FIX_ID) == [name]

@@ -4,7 +4,8 @@
 public functions load their modules on first use.
 """
 __version__ = "0.1.0"
-__all__ = ["patch", "unpatch", "status", "gathered", "chunked_cross_entropy", "StrictError", "__version__"]
+__all__ = ["patch", "unpatch", "status", "gathered", "chunked_cross_entropy", "loss_is_scaled_for_ga", "StrictError",
+           "__version__"]
 
 
 def patch(fixes=None, exclude=(), *, opt_in=(), strict=None):
@@ -39,6 +40,17 @@ def status():
     from zerofix import patching
 
     return patching.status()
+
+
+def loss_is_scaled_for_ga(trainer, value=True):
+    """State what a Trainer's loss is, for ``transformers-trainer-scaling``: True (the default), already per
+    accumulation window (your ``compute_loss`` divides it by ``gradient_accumulation_steps`` or normalises it by the
+    window's count), so the Trainer's own path is followed; False, a micro-batch mean, scaled as one; None withdraws
+    the statement. It wins over what zerofix measures, on every transformers release (``trainer.loss_is_scaled_for_ga``
+    says the same from transformers 5.19 on)."""
+    from zerofix.fixes.trainer_scaling import loss_is_scaled_for_ga as _state
+
+    _state(trainer, value)
 
 
 def gathered(*params):

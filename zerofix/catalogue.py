@@ -37,6 +37,10 @@ class Fix(NamedTuple):
     # Why the entry is applied only when named (patch(opt_in=...), ZEROFIX_OPT_IN, or an explicit fix list):
     # a right usage upstream documents produces the observations it reacts to. Empty: applied by default.
     opt_in: str = ""
+    # The paths (engine and parallel layout, zerofix.paths) the entry's plan is computed for; on any other it stands
+    # aside and says "not covered: <path>". BACKPORT: the entry is upstream's own later code, so it models the
+    # layouts that release runs.
+    covers: str = "backport"
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -79,6 +83,7 @@ FIXES: tuple[Fix, ...] = (
         "ignores num_items_in_batch (sequence classification, ...; a compute_loss or compute_loss_func returning a "
         "mean) trains at GAS x (and x processes) on every release; 4.46-4.47 never divide a loss without loss "
         "kwargs, 4.46-4.48 with DeepSpeed and 5.2.0-5.5.3 without it divide a per-window loss twice",
+        covers="trainer: one process, DDP, DeepSpeed ZeRO-0..3, FSDP1, FSDP2 (paths.trainer_path)",
     ),
     Fix(
         id="accelerate-short-last-window",
@@ -98,6 +103,7 @@ FIXES: tuple[Fix, ...] = (
         opt_in="a loss normalised per window by the user (accelerate's gradient-accumulation guide) is right "
         "on the short window as accelerate scales it, and accelerate's own test suite asserts n/GAS: nothing a "
         "loop does tells the two apart",
+        covers="accelerate: one process, DDP, DeepSpeed, FSDP1, FSDP2 (paths.accelerate_path)",
     ),
     Fix(
         id="accelerate-deepspeed-no-sync",
@@ -142,6 +148,7 @@ FIXES: tuple[Fix, ...] = (
         where="N x engine.backward() then one engine.step() with config GAS=1: ZeRO-1/2 keep only the last "
         "micro-batch (>= 0.17.6; with optimizer offload every release); config GAS=K > 1 is DeepSpeed's schedule "
         "(step() applies nothing until K step() calls): warned about, not changed",
+        covers="deepspeed: a data-parallel engine, no pipeline, Ulysses or AutoTP (paths.engine_path)",
     ),
     Fix(
         id="deepspeed-zero12-accumulator",
@@ -282,6 +289,7 @@ FIXES: tuple[Fix, ...] = (
         "(every Hugging Face model): engine.backward(loss) on 0.18.3-0.19.5 (DeepSpeed's own loop, a plain "
         "accelerate loop), loss.backward() on every release since 0.18.3: updates are 1/GAS of the "
         "intended ones",
+        covers="backport: the division DeepSpeed 0.19's graph tracker makes",
     ),
     Fix(
         id="trl-chunked-nll-zero3",

@@ -18,7 +18,7 @@ import sys
 import threading
 from typing import NamedTuple
 
-from zerofix import applied, catalogue, importhooks, trainer_report
+from zerofix import applied, catalogue, importhooks, paths, trainer_report
 from zerofix._log import log
 from zerofix.errors import StrictError
 from zerofix.fixes import contract
@@ -325,6 +325,10 @@ def status() -> list[Record]:
                 details = getattr(sys.modules.get(fix.implementation), "runtime_details", None)
                 if details is not None:
                     record = record._replace(runtime=tuple(details()))
+                declined = paths.not_covered(fix.id)
+                if declined:  # the paths it stood aside on in this process (zerofix.paths)
+                    record = record._replace(reason=f"{record.reason}; not covered: {', '.join(declined)} (stood "
+                                             "aside there, upstream's behaviour unchanged)")
             out.append(record)
     return out
 

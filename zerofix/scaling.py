@@ -78,15 +78,20 @@ class Call(NamedTuple):
 
 
 def call_of(version: tuple[int, ...], facts: TrainerFacts, *, reads_num_items: bool | None, stated: bool,
-            base_ran: bool, deepspeed: bool, scale_wrt_gas: bool, accelerate_steps: int) -> Call:
+            base_ran: bool, deepspeed: bool, scale_wrt_gas: bool, accelerate_steps: int,
+            statement: bool | None = None) -> Call:
     """The Call of one backward. ``reads_num_items``: the verdict of the watch (None: none yet);
     ``stated``: someone said, rather than the Trainer guessed, what the loss is; ``base_ran``: the base
-    Trainer.compute_loss ran; ``accelerate_steps``: what accelerate divides by without DeepSpeed."""
+    Trainer.compute_loss ran; ``accelerate_steps``: what accelerate divides by without DeepSpeed (one process,
+    DDP, FSDP1, FSDP2: the same ``Accelerator.backward``); ``statement``: the user's own
+    (``zerofix.loss_is_scaled_for_ga``): True, the loss is per window already; it wins over everything."""
     believed = trainer_believes_scaled(version, facts)
     # The measurement only demotes: a loss the Trainer believes per window that never read the count is a
     # mean, and so is one that got no count (a batch without ``labels``: what the Trainer itself concludes from
     # 4.54 on; 4.46-4.53 skip the division anyway). A loss the Trainer divides is left to the Trainer.
     mean = not believed or (not stated and (not facts.num_items or reads_num_items is False))
+    if statement is not None:
+        mean = not statement
     downstream = (facts.gas if scale_wrt_gas else 1) if deepspeed else accelerate_steps
     return Call(loss_is_mean=mean,
                 world_multiplied=world_multiplier(version, facts) if base_ran else 1,

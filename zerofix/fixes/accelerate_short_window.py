@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import inspect
 
-from zerofix import applied
+from zerofix import applied, paths
 from zerofix._log import log
 from zerofix.fixes.contract import Check, drifted, found
 
@@ -93,6 +93,11 @@ def structural_check(fix_id: str, targets) -> Check:
 def accumulate(wrapped, accelerator, args, kwargs):
     window = accelerator.__dict__.get(_KEY)
     if window is None or window.closing:
+        path = paths.accelerate_path(accelerator)
+        if not path.covered:  # no window is opened: backward() passes straight through
+            if paths.stood_aside(FIX_ID, path):
+                log("warning", "zerofix: %s stands aside on %s: accelerate's own scaling runs unchanged", FIX_ID, path)
+            return wrapped(*args, **kwargs)
         window = accelerator.__dict__[_KEY] = _Window()
         if _under_deepspeed(accelerator):  # a short window must be known before it runs
             left = _micro_batches_left(accelerator)

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import weakref
 
-from zerofix import applied
+from zerofix import applied, paths
 from zerofix._log import log
 from zerofix.counter import FLUSH, FOLLOW, PASS, MicroStepCounter
 from zerofix.fixes import _deepspeed_backward, _zero12_offload
@@ -128,6 +128,10 @@ def _outside_schedule(engine) -> str | None:
         return f"the engine has no {_FLAG} attribute: not measured"
     if getattr(engine, "pipeline_parallelism", False):
         return "pipeline engine: boundaries come from its schedule"
+    path = paths.engine_path(engine)
+    if not path.covered:  # ranks share micro-batches: the lazy boundary's reduction is not modelled there
+        paths.stood_aside(FIX_ID, path)
+        return str(path)
     managed = getattr(engine, "managed_gradient_accumulation", None)
     if managed is not None and not managed():
         return "managed_gradient_accumulation is off: step() is already the boundary"

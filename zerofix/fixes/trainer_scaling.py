@@ -65,7 +65,7 @@ import weakref
 
 from accelerate.utils import DistributedType  # imported by the fixes only, once accelerate is
 
-from zerofix import num_items_watch, scaling, versions
+from zerofix import num_items_watch, paths, scaling, versions
 from zerofix.fixes.contract import Check, drifted, found
 
 FIX_ID = "transformers-trainer-scaling"
@@ -76,17 +76,22 @@ _details: list[dict] = []  # runtime_details(), one per trainer, in order (plain
 
 
 class Known:
-    """What zerofix knows of one trainer, kept beside it (a weak mapping), never on the user's object."""
+    """What zerofix knows of one trainer, kept beside it (a weak mapping), never on the user's object. What
+    depends on the model, the loss function or the arguments is read again at every ``train()`` (``run``)."""
 
-    __slots__ = ("measured", "reads", "window", "stated", "details", "plans")
+    __slots__ = ("run", "path", "compiled", "reads", "window", "stated", "statement", "details", "plans", "warned")
 
     def __init__(self):
-        self.measured = False  # a verdict was taken (or refused: a compiled model)
-        self.reads = None  # the verdict: the loss read num_items_in_batch (None: none taken)
+        self.run = None  # trainer.state of the run the facts below were read in (a new one at every train())
+        self.path = None  # paths.Path of this run
+        self.compiled = False  # the model runs under torch.compile: not watched (the belief stands)
+        self.reads = None  # this step's verdict: the loss depends on num_items_in_batch (None: not watched)
         self.window = None  # micro-batches of the current window, as get_batch_samples fetched them
-        self.stated = None  # stated(trainer), read once: inspect.signature costs microseconds
+        self.stated = None  # stated(trainer), read once a run: inspect.signature costs microseconds
+        self.statement = None  # zerofix.loss_is_scaled_for_ga(trainer, value): the user's own statement
         self.details = None  # this trainer's runtime_details() entry, from its first backward
         self.plans = {}  # facts -> scaling.Plan
+        self.warned = set()  # warnings given in this run
 
 
 _known: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> Known
@@ -159,34 +164,60 @@ def _with_num_items(args, kwargs, value):
     return (*args[:2], value, *args[3:]), kwargs
 
 
+def _new_run(trainer, state: Known, model) -> None:
+    """At the first step of a ``train()`` (a new ``trainer.state``): read again what the model, the loss function
+    and the arguments decide, so no fact outlives the run it was read in (``model_init`` builds a new model)."""
+    run = getattr(trainer, "state", None)
+    if state.run is run and run is not None:
+        return
+    state.run, state.stated, state.plans, state.warned = run, None, {}, set()
+    state.path = paths.trainer_path(trainer)
+    state.compiled = _compiled(trainer, model)
+    if not state.path.covered and paths.stood_aside(FIX_ID, state.path):
+        _warn_main(trainer, "zerofix: %s stands aside on this run, %s: the Trainer's own scaling runs unchanged "
+                   "(zerofix models one process, DDP, DeepSpeed ZeRO-0..3, FSDP1 and FSDP2)", FIX_ID, state.path)
+
+
 def training_step(wrapped, trainer, args, kwargs):
     accelerator = getattr(trainer, "accelerator", None)
     if accelerator is None or _STEP in accelerator.__dict__:  # a nested call
         return wrapped(*args, **kwargs)
+    state = known(trainer)
+    _new_run(trainer, state, args[0] if args else getattr(trainer, "model", None))
+    if not state.path.covered:
+        return wrapped(*args, **kwargs)
     num_items = _num_items_arg(args, kwargs)
-    watching = num_items is not None and not known(trainer).measured and not _compiled(trainer, args)
+    # Every step is watched (the cost: the few operations on the count, tests/benchmarks): the verdict is
+    # this step's, so a loss that starts reading the count later, or a new model, is seen as it is.
+    watching = num_items is not None and not state.compiled
     if watching:
         args, kwargs = _with_num_items(args, kwargs, num_items_watch.watched(
             num_items_watch.as_tensor_like_release(num_items)))
     accelerator.__dict__[_STEP] = TrainerStep(trainer, num_items, watching)
     try:
-        return wrapped(*args, **kwargs)
+        return num_items_watch.unwatched(wrapped(*args, **kwargs))  # the Trainer's running loss stays plain
     finally:
         accelerator.__dict__.pop(_STEP, None)
 
 
-def _compiled(trainer, args) -> bool:
+def _compiled(trainer, model) -> bool:
     """Under torch.compile a watched tensor sends the step through another graph (eager where the compiled graph
     would run: measured, the loss differs in the last bits), so the loss is not watched there: the Trainer's
-    belief is followed, and said once."""
-    model = args[0] if args else getattr(trainer, "model", None)
+    belief is followed, and said once a run."""
     compiled = bool(getattr(getattr(trainer, "args", None), "torch_compile", False)) or hasattr(model, "_orig_mod")
-    if compiled and not known(trainer).measured:
-        known(trainer).measured = True  # no verdict: the belief stands
-        _log.warning("zerofix: %s runs under torch.compile: whether its loss reads num_items_in_batch is not "
-                     "measured there, the Trainer's own belief is followed; set loss_is_scaled_for_ga (transformers "
-                     ">= 5.19) or model_accepts_loss_kwargs to say what the loss is", type(trainer).__name__)
+    if compiled:
+        _log.warning("zerofix: %s runs under torch.compile: whether its loss depends on num_items_in_batch is not "
+                     "followed there, the Trainer's own belief is followed; set loss_is_scaled_for_ga (transformers "
+                     ">= 5.19), model_accepts_loss_kwargs or zerofix.loss_is_scaled_for_ga(trainer, ...) to say what "
+                     "the loss is", type(trainer).__name__)
     return compiled
+
+
+def _warn_main(trainer, msg: str, *args) -> None:
+    """A warning on the main process only (every rank takes the same decision)."""
+    accelerator = getattr(trainer, "accelerator", None)
+    if getattr(accelerator, "is_main_process", True):
+        _log.warning(msg, *args)
 
 
 def compute_loss(wrapped, trainer, args, kwargs):
@@ -228,7 +259,7 @@ def _trainer_guess(model) -> bool:
 
 def stated(trainer) -> bool:
     """Whether someone said, rather than the Trainer guessed, whether the loss is per window."""
-    if getattr(trainer, "loss_is_scaled_for_ga", None) is not None:
+    if known(trainer).statement is not None or getattr(trainer, "loss_is_scaled_for_ga", None) is not None:
         return True
     loss_func = getattr(trainer, "compute_loss_func", None)
     if loss_func is not None and not callable(loss_func):  # TRL's marker for loss_is_scaled_for_ga before 5.19
@@ -262,7 +293,8 @@ def describe(accelerator, step: TrainerStep, kwargs) -> scaling.Call:
         processes=int(accelerator.num_processes), gas=gas, window=int(state.window or gas))
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     return scaling.call_of(
-        release(), facts, reads_num_items=state.reads, stated=_stated_once(trainer), base_ran=step.base_ran,
+        release(), facts, reads_num_items=state.reads, stated=_stated_once(trainer), statement=state.statement,
+        base_ran=step.base_ran,
         deepspeed=deepspeed, scale_wrt_gas=bool(kwargs.get("scale_wrt_gas", True)),
         accelerate_steps=int(accelerator.gradient_accumulation_steps))
 
@@ -273,29 +305,44 @@ def _plan(accelerator, step: TrainerStep, kwargs) -> scaling.Plan:
     trainer, state = step.trainer, known(step.trainer)
     key = (getattr(trainer, "model_accepts_loss_kwargs", None), getattr(trainer, "compute_loss_func", None) is None,
            getattr(trainer, "loss_is_scaled_for_ga", None), step.num_items is None, step.base_ran,
-           state.window, state.reads, kwargs.get("scale_wrt_gas", True),
+           state.window, state.reads, state.statement, kwargs.get("scale_wrt_gas", True),
            accelerator.gradient_accumulation_steps, trainer.args.gradient_accumulation_steps)
     if key not in state.plans:
         state.plans[key] = scaling.plan(describe(accelerator, step, kwargs))
     return state.plans[key]
 
 
-def _record_verdict(step: TrainerStep) -> dict:
+def _record_verdict(step: TrainerStep, reads: bool | None) -> dict:
+    """This step's verdict (``reads``: the loss depends on the count; None: not watched) into the trainer's state
+    and its runtime details."""
     trainer, state = step.trainer, known(step.trainer)
     if state.details is None:
         state.details = {"trainer": type(trainer).__name__, "loss": "not measured", "stated": _stated_once(trainer),
-                         "backwards": 0, "corrected": 0}
+                         "backwards": 0, "corrected": 0, "steps_depending": 0, "steps_independent": 0}
         _details.append(state.details)
     details = state.details
-    if step.watching and not state.measured:
-        reads = num_items_watch.reads()
-        state.measured, state.reads = True, reads > 0
-        details["loss"] = "reads num_items_in_batch" if reads else "ignores num_items_in_batch"
-        if not reads and not details["stated"]:
-            _log.info("zerofix: %s's loss does not read num_items_in_batch: scaled as a micro-batch mean",
-                      type(trainer).__name__)
+    details["stated"] = _stated_once(trainer)
+    state.reads = reads
+    if reads is not None:
+        details["steps_depending" if reads else "steps_independent"] += 1
+        details["loss"] = "depends on num_items_in_batch" if reads else "does not depend on num_items_in_batch"
     details["backwards"] += 1
     return details
+
+
+def _warn_rescaled(step: TrainerStep, call: scaling.Call) -> None:
+    """Once a run, where zerofix scales a loss as a micro-batch mean that nobody stated to be one: a user's
+    compute_loss may have divided it already (the hand-fixed classifier), which no measurement can tell."""
+    trainer, state = step.trainer, known(step.trainer)
+    if not call.loss_is_mean or state.stated:
+        return
+    state.warned.add("rescaled")
+    how = " (it took the count as a Python number, which cannot be followed)" if num_items_watch.python_reads() else ""
+    _warn_main(trainer, "zerofix: %s's loss does not depend on num_items_in_batch%s: zerofix scales it as a "
+               "micro-batch mean (averaged over the window's %d micro-batches). If your compute_loss already divides "
+               "it by gradient_accumulation_steps or by that count, state it: zerofix.loss_is_scaled_for_ga(trainer) "
+               "(or trainer.loss_is_scaled_for_ga = True on transformers >= 5.19)",
+               type(trainer).__name__, how, call.window)
 
 
 def runtime_details() -> list[dict]:
@@ -313,16 +360,19 @@ def backward(wrapped, accelerator, args, kwargs):
     if step is None or step.handled:  # not the Trainer's backward, or a second one in the same step
         return wrapped(*args, **kwargs)
     step.handled = True
-    details = _record_verdict(step)
-    plan = _plan(accelerator, step, kwargs)
-    if not plan.changes:
-        return wrapped(*args, **kwargs)
-    details["corrected"] += 1
     loss = args[0] if args else kwargs["loss"]
-    if plan.multiply_by != 1:
-        loss = loss * plan.multiply_by
-    if plan.divide_by != 1:
-        loss = loss / plan.divide_by
+    reads = num_items_watch.depends(loss) if step.watching else None
+    loss = num_items_watch.unwatched(loss)  # the engine gets a plain tensor: bitwise the same value and graph
+    details = _record_verdict(step, reads)
+    plan = _plan(accelerator, step, kwargs)
+    if plan.changes:
+        details["corrected"] += 1
+        if "rescaled" not in known(step.trainer).warned:
+            _warn_rescaled(step, describe(accelerator, step, kwargs))
+        if plan.multiply_by != 1:
+            loss = loss * plan.multiply_by
+        if plan.divide_by != 1:
+            loss = loss / plan.divide_by
     args, kwargs = ((loss, *args[1:]), kwargs) if args else ((), {**kwargs, "loss": loss})
     if not plan.no_downstream_division:
         return wrapped(*args, **kwargs)
@@ -334,3 +384,12 @@ def backward(wrapped, accelerator, args, kwargs):
         return wrapped(*args, **kwargs)
     finally:
         accelerator.gradient_accumulation_steps = steps
+
+
+def loss_is_scaled_for_ga(trainer, value: bool = True) -> None:
+    """The user's statement of what ``trainer``'s loss is: True, already per accumulation window (divided by
+    gradient_accumulation_steps or normalised by the window's count: the Trainer's own path is followed as for a
+    normalised loss); False, a micro-batch mean. It wins over the measurement; ``None`` withdraws it."""
+    state = known(trainer)
+    state.statement = None if value is None else bool(value)
+    state.stated, state.plans = None, {}

@@ -39,6 +39,10 @@ def parse_args(argv=None):
                    help="train through DeepSpeed with this ZeRO stage (default: no DeepSpeed)")
     p.add_argument("--ds-config", default=None, help="JSON file: a user's resolved DeepSpeed configuration, used "
                    "instead of the scenario's (zerofix check --deepspeed); needs --zero-stage")
+    p.add_argument("--fsdp", type=int, choices=(1, 2), default=None,
+                   help="train through accelerate's FSDP (version 1 or 2), on CPU too (zerofix.check.fsdp_cpu)")
+    p.add_argument("--fsdp-config", default=None, help="JSON file: a user's fsdp_config for TrainingArguments "
+                   "(zerofix check --fsdp-config); needs --fsdp")
     p.add_argument("--max-grad-norm", type=float, default=0.0)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--cells", default=None,
@@ -74,6 +78,19 @@ def deepspeed_config(stage: int) -> dict:
     }
 
 
+def fsdp_arguments(args) -> dict:
+    """TrainingArguments' FSDP settings: the user's fsdp_config where given, else a full shard of every layer.
+    FSDP1's sync_module_states broadcasts from the module's device index, which a CPU module lacks; every rank
+    builds the same weights from the seed, so the broadcast changes nothing."""
+    if args.fsdp is None:
+        return {}
+    config = json.loads(Path(args.fsdp_config).read_text()) if args.fsdp_config else {}
+    config = {**config, "version": args.fsdp}
+    if args.fsdp == 1:
+        config.setdefault("sync_module_states", False)
+    return {"fsdp": "full_shard", "fsdp_config": config}
+
+
 def user_config(args) -> dict | None:
     """A user's resolved DeepSpeed configuration (``--ds-config``), or None."""
     return json.loads(Path(args.ds_config).read_text()) if args.ds_config else None
@@ -102,10 +119,14 @@ def steps_without_grad_mode():
         DeepSpeedZeroOptimizer.step = original
 
 
-def final_weights(model, zero_stage) -> dict:
-    """Full parameters on every rank. Under ZeRO-3 from the optimizer's fp32 partitions (collective):
+def final_weights(model, zero_stage, wrapped=None) -> dict:
+    """Full parameters on every rank. Under FSDP gathered from the shards (collective); under ZeRO-3 from the optimizer's fp32 partitions (collective):
     on deepspeed 0.18.9 a GatheredParameters read of the trained model sometimes returned garbage
     (updates of 1e9 to 1e28 in 2 of 10 runs, unpatched and patched alike)."""
+    if wrapped is not None:  # FSDP
+        from zerofix.check.fsdp_cpu import full_state
+
+        return full_state(model, wrapped)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if zero_stage == 3:
         from deepspeed.utils import safe_get_full_fp32_param
@@ -131,6 +152,7 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
 
     import zerofix
     from zerofix.check import models
+    from zerofix.check.fsdp_cpu import engine_facts
 
     model = models.build_model(args.model, args.seed)
     freeze_once()  # see ds_accumulation: DeepSpeed 0.18.x's gc.collect() calls would scan every library object
@@ -167,6 +189,7 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         **({} if args.no_average_tokens is None else {"average_tokens_across_devices": not args.no_average_tokens}),
         **({"ddp_backend": "gloo"} if world > 1 else {}),
         **({"deepspeed": user_config(args) or deepspeed_config(args.zero_stage)} if args.zero_stage is not None else {}),
+        **fsdp_arguments(args),
     )
     vdir = out / variant
     vdir.mkdir(parents=True, exist_ok=True)
@@ -178,12 +201,12 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         def on_train_begin(self, train_args, state, control, **kwargs):
             # This variant's own start: a model built after a ZeRO-3 Trainer is built partitioned, and its
             # initialisation need not equal the first build's (Llama's classifier differs on 5.23).
-            weights = final_weights(model, args.zero_stage)
+            weights = final_weights(model, args.zero_stage, fsdp_wrapped())
             if rank == 0:
                 torch.save(weights, vdir / "init.pt")
 
         def on_step_end(self, train_args, state, control, **kwargs):
-            weights = final_weights(model, args.zero_stage)  # collective under ZeRO-3: every rank
+            weights = final_weights(model, args.zero_stage, fsdp_wrapped())  # collective (ZeRO-3, FSDP)
             if rank == 0:
                 torch.save(weights, vdir / f"step{state.global_step}.pt")
             engine_norm = getattr(trainer.model_wrapped, "get_global_grad_norm", None)  # what the Trainer logs
@@ -191,12 +214,15 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
                 norm = engine_norm()
                 grad_norms.append(None if norm is None else float(norm))
 
+    def fsdp_wrapped():
+        return trainer.model_wrapped if args.fsdp else None
+
     grad_norms = []  # DeepSpeed's global gradient norm after each optimizer step
     extra = {"compute_loss_func": mean_loss_func} if args.loss == "func-mean" else {}
     trainer = RecordingTrainer(model=model, args=training_args, train_dataset=dataset,
                                data_collator=models.stack, callbacks=[Snapshots()], **extra)
     trainer.train()
-    weights = final_weights(model, args.zero_stage)
+    weights = final_weights(model, args.zero_stage, fsdp_wrapped())
     if rank == 0:
         torch.save(weights, vdir / "final.pt")
     record = {
@@ -204,6 +230,7 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         "average_tokens": bool(getattr(training_args, "average_tokens_across_devices", False)), "cell_dir": out.name,
         "windows": [windows[s] for s in sorted(windows)], "grad_norms": grad_norms,
         "status": [r.to_dict() for r in zerofix.status()],
+        "engine": engine_facts(trainer) if args.fsdp else None,
     }
     (vdir / f"rank{rank}.json").write_text(json.dumps(record))
 
@@ -217,7 +244,13 @@ def run(argv=None):
         from accelerate import PartialState
 
         PartialState(backend="gloo")  # accelerate >= 1.13 on CPU otherwise sees one process
-    with steps_without_grad_mode() if args.zero_stage is not None else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        if args.zero_stage is not None:
+            stack.enter_context(steps_without_grad_mode())
+        if args.fsdp is not None:
+            from zerofix.check.fsdp_cpu import fsdp_on_cpu
+
+            stack.enter_context(fsdp_on_cpu())
         _train_variants(args, out, world, rank)
 
 

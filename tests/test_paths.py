@@ -1,0 +1,107 @@
+"""zerofix.paths: which engine and layout a loss goes through, and the rule that every entry acts only on the paths
+it models (issue 39). Plain objects stand in for accelerate's state and DeepSpeed's engine: the module reads
+attributes only. The real runs: test_trainer_fsdp.py (FSDP2 through accelerate, asserted in the run)."""
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import types
+
+import pytest
+
+from zerofix import catalogue, paths
+
+pytestmark = pytest.mark.stack_independent
+NS = types.SimpleNamespace
+
+
+def state(kind="MULTI_GPU", **extra):
+    return NS(**{"distributed_type": kind, "parallelism_config": None, "torch_tp_plugin": None, **extra})
+
+
+@pytest.mark.parametrize("given, expected", [
+    (state("NO"), "one process"),
+    (state("MULTI_CPU"), "DDP"),
+    (state("MULTI_XPU"), "DDP"),
+    (state("FSDP", fsdp_plugin=NS(fsdp_version=2)), "FSDP2"),
+    (state("FSDP", fsdp_plugin=NS(fsdp_version=1)), "FSDP1"),
+    (state("DEEPSPEED", deepspeed_plugin=NS(deepspeed_config={"zero_optimization": {"stage": 3}})),
+     "DeepSpeed ZeRO-3"),
+    # a ParallelismConfig of plain data parallelism (FSDP2's dp_shard) is covered
+    (state("FSDP", fsdp_plugin=NS(fsdp_version=2), parallelism_config=NS(dp_shard_size=2, tp_size=1, cp_size=1,
+                                                                        sp_size=1)), "FSDP2"),
+])
+def test_covered_paths(given, expected):
+    path = paths.accelerate_path(given)
+    assert path == paths.Path(expected, True) and str(path) == expected
+
+
+@pytest.mark.parametrize("given, model, n_gpu, expected", [
+    (state("FSDP", parallelism_config=NS(tp_size=2)), None, 1, "tensor parallel (tp_size=2)"),
+    (state("FSDP", parallelism_config=NS(cp_size=2, cp_backend="torch")), None, 1,
+     "context parallel (cp_size=2, torch)"),
+    (state("DEEPSPEED", parallelism_config=NS(sp_size=2, sp_backend="deepspeed")), None, 1,
+     "sequence parallel (sp_size=2, deepspeed)"),
+    (state("FSDP", parallelism_config=NS(dp_replicate_size=2, dp_shard_size=2)), None, 1,
+     "HSDP (dp_replicate_size=2, dp_shard_size=2)"),
+    (state("DEEPSPEED", deepspeed_plugin=NS(deepspeed_config={"sequence_parallel_size": 2})), None, 1,
+     "DeepSpeed Ulysses sequence parallel (sequence_parallel_size=2)"),
+    (state("DEEPSPEED", deepspeed_plugin=NS(deepspeed_config={"tensor_parallel": {"autotp_size": 2}})), None, 1,
+     "DeepSpeed AutoTP tensor parallel (autotp_size=2)"),
+    (state("MULTI_GPU", torch_tp_plugin=NS(tp_size=2)), None, 1, "tensor parallel (torch_tp_plugin tp_size=2)"),
+    (state("MULTI_GPU"), NS(_tp_size=4), 1, "tensor parallel (model _tp_size=4)"),
+    (state("NO"), None, 2, "torch DataParallel (n_gpu=2)"),
+    (state("MEGATRON_LM"), None, 1, "accelerate DistributedType.MEGATRON_LM"),
+    (state("XLA"), None, 1, "accelerate DistributedType.XLA"),
+    (state("A_TYPE_ACCELERATE_ADDS_LATER"), None, 1, "accelerate DistributedType.A_TYPE_ACCELERATE_ADDS_LATER"),
+])
+def test_every_other_path_is_not_covered(given, model, n_gpu, expected):
+    path = paths.accelerate_path(given, model=model, n_gpu=n_gpu)
+    assert path == paths.Path(expected, False) and str(path) == f"not covered: {expected}"
+
+
+def test_a_deepspeed_engine_is_covered_while_data_parallel():
+    engine = NS(zero_optimization_stage=lambda: 2, sequence_parallel_size=1, autotp_size=lambda: 0)
+    assert paths.engine_path(engine) == paths.Path("DeepSpeed ZeRO-2", True)
+    engine.sequence_parallel_size = 4
+    assert not paths.engine_path(engine).covered
+    engine.sequence_parallel_size, engine.autotp_size = 1, (lambda: 2)
+    assert str(paths.engine_path(engine)) == "not covered: DeepSpeed AutoTP tensor parallel (autotp_size=2)"
+
+
+def test_the_manual_accumulation_entry_stands_aside_on_ulysses_and_says_so():
+    pytest.importorskip("deepspeed")
+    from zerofix.fixes import deepspeed_manual_accumulation as manual
+
+    paths.reset()
+    engine = NS(zero_optimization_stage=lambda: 2, sequence_parallel_size=2, autotp_size=lambda: 0,
+                pipeline_parallelism=False, managed_gradient_accumulation=lambda: True)
+    engine.__dict__[manual._FLAG] = False
+    why = manual._outside_schedule(engine)
+    assert why == "not covered: DeepSpeed Ulysses sequence parallel (sequence_parallel_size=2)"
+    assert paths.not_covered(manual.FIX_ID) == ["DeepSpeed Ulysses sequence parallel (sequence_parallel_size=2)"]
+
+
+def test_stood_aside_is_said_once_per_path():
+    paths.reset()
+    path = paths.Path("tensor parallel (tp_size=2)", False)
+    assert paths.stood_aside("x", path) and not paths.stood_aside("x", path)
+    assert paths.not_covered("x") == ["tensor parallel (tp_size=2)"]
+    paths.reset()
+    assert paths.not_covered("x") == []
+
+
+@pytest.mark.parametrize("fix", catalogue.FIXES, ids=lambda f: f.id)
+def test_every_entry_says_which_paths_it_models_and_checks_them(fix):
+    """The rule in code: an entry that computes a plan (not a backport of upstream's own code) names the
+    zerofix.paths function that decides its path, and its implementation calls it."""
+    assert fix.covers, fix.id
+    if fix.covers.startswith("backport"):
+        assert fix.fixed_in or "0.19" in fix.covers, fix.id
+        return
+    function = re.search(r"paths\.(\w+)", fix.covers).group(1)
+    assert callable(getattr(paths, function))
+    pytest.importorskip(fix.dist.replace("-", "_"))
+    source = inspect.getsource(importlib.import_module(fix.implementation))
+    assert f"paths.{function}(" in source or "paths.engine_path(" in source, fix.id
