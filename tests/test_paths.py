@@ -105,3 +105,16 @@ def test_every_entry_says_which_paths_it_models_and_checks_them(fix):
     pytest.importorskip(fix.dist.replace("-", "_"))
     source = inspect.getsource(importlib.import_module(fix.implementation))
     assert f"paths.{function}(" in source or "paths.engine_path(" in source, fix.id
+
+
+def test_the_trainers_log_line_says_not_covered():
+    from zerofix.patching import Record
+    from zerofix.trainer_report import summary_lines
+
+    records = [Record("transformers-trainer-scaling", "applied", "transformers", "5.23.0", ">=4.46", "")]
+    aside = summary_lines(records, deepspeed=False, path=paths.Path("context parallel (cp_size=2, torch)", False))
+    assert aside[0] == ("zerofix: transformers-trainer-scaling stands aside on this run, not covered: context parallel "
+                        "(cp_size=2, torch): the Trainer's own scaling runs unchanged")
+    assert aside[1].startswith("zerofix: 0 fixes act on this run")
+    fsdp = summary_lines(records, deepspeed=False, path=paths.Path("FSDP2", True))
+    assert fsdp == ["zerofix: 1 fix acts on this run (through FSDP2): transformers-trainer-scaling (transformers 5.23.0)"]

@@ -22,6 +22,8 @@ Plain code, no patching; tests/test_num_items_watch.py.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 # Conversions of a tensor to a Python value: the count left torch there, and can no longer be followed.
@@ -41,7 +43,8 @@ class _Watched(torch.Tensor):
         if name == "__get__" and not isinstance(result, torch.Tensor):
             return result  # .shape, .device, .dtype, .requires_grad: nothing to follow
         _follow_in_place(name, args, kwargs)
-        return _follow(result)
+        _follow(result, args)
+        return result
 
     # Copies are plain tensors: a watched count kept by the user (deepcopy, pickle, torch.save) outlives the step.
     def __deepcopy__(self, memo):
@@ -51,32 +54,41 @@ class _Watched(torch.Tensor):
         return _plain(self).__reduce_ex__(protocol)
 
 
+# Results of another tensor subclass (a DTensor), whose class cannot be changed: followed by identity, one step.
+_derived: "weakref.WeakSet" = weakref.WeakSet()
+
+
 def _plain(tensor):
     with torch._C.DisableTorchFunctionSubclass():
         return tensor.as_subclass(torch.Tensor)
 
 
-def _follow(result):
-    """Every tensor in ``result`` watched (tuples and lists of results too: ``torch.split``, ``max(dim=)``)."""
-    if isinstance(result, torch.Tensor):
-        return result if isinstance(result, _Watched) else result.as_subclass(_Watched)
-    if isinstance(result, (tuple, list)) and any(isinstance(r, torch.Tensor) for r in result):
-        followed = [_follow(r) for r in result]
-        try:
-            return type(result)(followed)  # tuple, list, torch.return_types (structseq)
-        except TypeError:  # a namedtuple
-            return type(result)(*followed)
-    return result
+def _mark(tensor) -> None:
+    """Watch a result from now on, *as the same object*: its class changes, no alias is made (an alias is a view
+    in autograd's eyes, and the Trainer's ``loss *= ...`` on a view of DDP's output raises)."""
+    if type(tensor) is torch.Tensor:
+        tensor.__class__ = _Watched
+    elif not isinstance(tensor, (_Watched, torch.nn.Parameter)):
+        _derived.add(tensor)
+
+
+def _follow(result, args) -> None:
+    """Every tensor in ``result`` (tuples and lists of results too) watched, except an argument handed back as it
+    was (``x.type_as(n)``, ``x.to(same)``): its value does not come from the count."""
+    inputs = {id(a) for a in args if isinstance(a, torch.Tensor) and not isinstance(a, _Watched)}
+    for tensor in result if isinstance(result, (tuple, list)) else (result,):
+        if isinstance(tensor, torch.Tensor) and id(tensor) not in inputs:
+            _mark(tensor)
 
 
 def _follow_in_place(name, args, kwargs):
-    """``loss.div_(n)`` and ``torch.div(loss, n, out=loss)`` change a plain tensor the caller keeps: it is watched
-    from then on (its class, as ``as_subclass`` would give; a Parameter keeps its own)."""
+    """``loss.div_(n)`` and ``torch.div(loss, n, out=loss)`` change a tensor the caller keeps: it is watched from
+    then on (a Parameter keeps its class)."""
     in_place = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
     target = (kwargs or {}).get("out") if kwargs and "out" in kwargs else (args[0] if in_place and args else None)
     for tensor in target if isinstance(target, (tuple, list)) else (target,):
-        if type(tensor) is torch.Tensor:
-            tensor.__class__ = _Watched
+        if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):
+            _mark(tensor)
 
 
 def watched(num_items):
@@ -85,17 +97,20 @@ def watched(num_items):
     if not isinstance(num_items, torch.Tensor):
         return num_items
     _Watched.python_reads = 0
-    return num_items.as_subclass(_Watched)
+    return num_items.as_subclass(_Watched)  # an alias: the Trainer's own count stays plain
 
 
 def depends(value) -> bool:
     """Whether ``value`` (the loss) was computed from a watched count."""
-    return isinstance(value, _Watched)
+    return isinstance(value, _Watched) or (isinstance(value, torch.Tensor) and value in _derived)
 
 
 def unwatched(value):
-    """``value`` as a plain tensor (same storage, same autograd history); anything else as it is."""
-    return _plain(value) if isinstance(value, _Watched) else value
+    """``value`` itself, a plain tensor again (the same object: storage and autograd history untouched);
+    anything else as it is."""
+    if isinstance(value, _Watched):
+        value.__class__ = torch.Tensor
+    return value
 
 
 def python_reads() -> int:

@@ -82,20 +82,27 @@ def acts_in(record, *, deepspeed: bool, trl: bool) -> bool:
     return True
 
 
-def summary_lines(records, *, deepspeed: bool = True, trl: bool = True) -> list[str]:
+def summary_lines(records, *, deepspeed: bool = True, trl: bool = True, path=None) -> list[str]:
     """What zerofix does in this Trainer run, from ``_records()`` records (pure: unit-tested): the applied fixes
-    that act on this run's path, then the others applied in the process, only as installed."""
+    that act on this run's path, then the others applied in the process, only as installed. ``path``: the run's
+    ``zerofix.paths.Path``; on one no fix models, the Trainer's entry stands aside and the first line says so."""
     if not records:
         return ["zerofix is not patched in this process (ZEROFIX=1 or zerofix.patch()): it changes nothing here"]
     applied = [r for r in records if r.state == "applied"]
     if not applied:
         return ["zerofix is active; no fix applies to the installed releases, so it changes nothing in this run"]
     acting = [r for r in applied if acts_in(r, deepspeed=deepspeed, trl=trl)]
-    rest = [r for r in applied if r not in acting]
+    aside = [r for r in acting if r.dist == "transformers"] if path is not None and not path.covered else []
+    acting = [r for r in acting if r not in aside]
+    rest = [r for r in applied if r not in acting and r not in aside]
     names = ", ".join(f"{r.id} ({r.dist} {r.installed})" for r in acting) or "none"
-    path = "this run (through DeepSpeed)" if deepspeed else "this run (no DeepSpeed)"
-    lines = [f"zerofix: {len(acting)} fix{'' if len(acting) == 1 else 'es'} act{'s' if len(acting) == 1 else ''} "
-             f"on {path}: {names}"]
+    where = "this run (through DeepSpeed)" if deepspeed else "this run (no DeepSpeed)"
+    if path is not None and path.covered and path.name.startswith("FSDP"):
+        where = f"this run (through {path.name})"
+    lines = [f"zerofix: {r.id} stands aside on this run, {path}: the Trainer's own scaling runs unchanged"
+             for r in aside]
+    lines.append(f"zerofix: {len(acting)} fix{'' if len(acting) == 1 else 'es'} act{'s' if len(acting) == 1 else ''} "
+                 f"on {where}: {names}")
     if rest:
         lines.append(f"zerofix: also applied in this process, for paths this run does not take: "
                      f"{', '.join(r.id for r in rest)}")
@@ -128,6 +135,21 @@ def warning_lines(records, seen: set) -> list[str]:
     return lines
 
 
+def _run_path(args, model):
+    """The run's path (zerofix.paths), read from accelerate's shared state without constructing one."""
+    import types
+
+    from accelerate.state import AcceleratorState
+
+    from zerofix import paths
+
+    try:
+        n_gpu = int(args.n_gpu)
+    except Exception:  # noqa: BLE001 - arguments without a device set-up: one device
+        n_gpu = 1
+    return paths.accelerate_path(types.SimpleNamespace(**AcceleratorState._shared_state), model=model, n_gpu=n_gpu)
+
+
 def _records():
     return [] if _status is None else _status()  # None: zerofix.patch() never ran in this process
 
@@ -154,7 +176,8 @@ def _build_class():
                 import sys
 
                 deepspeed = bool(getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None))
-                for line in summary_lines(_records(), deepspeed=deepspeed, trl="trl" in sys.modules):
+                for line in summary_lines(_records(), deepspeed=deepspeed, trl="trl" in sys.modules,
+                                          path=_run_path(args, kwargs.get("model"))):
                     logger.warning(line)
 
         def on_step_end(self, args, state, control, **kwargs):

@@ -67,10 +67,10 @@ def full_state(model, wrapped) -> dict:
 
     state = model.state_dict()
     if any(isinstance(v, DTensor) for v in state.values()):
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone() for k, v in state.items()}
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     if isinstance(wrapped, FSDP):
         with FSDP.summon_full_params(wrapped, writeback=False, rank0_only=False):
-            return {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {k: v.detach().clone() for k, v in state.items()}
+            return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in state.items()}

@@ -51,7 +51,7 @@ def trainer_gas(out_dir, *, env=None, launcher_prefix=(), python: str = sys.exec
 
 def trainer_request(cells, *, nproc: int = 1, zero_stage: int | None = None, lr: float = 5.0,
                     zerofix: str = "both", timeout: float = 900, ds_config: dict | None = None,
-                    name: str = "trainer") -> runner.Request:
+                    name: str = "trainer", fsdp: int | None = None, extra_args=()) -> runner.Request:
     """Several Trainer cells (dicts: name, model, gas, samples, average_tokens, lr, and for a user's
     configuration bs, clip, bf16) in one run, with or without DeepSpeed (``ds_config``: a user's resolved
     configuration instead of the scenario's); its result: {cell name: {variant: comparison + rank_status}}."""
@@ -75,7 +75,8 @@ def trainer_request(cells, *, nproc: int = 1, zero_stage: int | None = None, lr:
         return results
 
     return _cells_request(TRAINER_GAS, name, cells, interpret, nproc=nproc, zero_stage=zero_stage, lr=lr,
-                          zerofix=zerofix, timeout=timeout, ds_config=ds_config)
+                          zerofix=zerofix, timeout=timeout, ds_config=ds_config,
+                          extra=(("--fsdp", str(fsdp)) if fsdp else ()) + tuple(extra_args))
 
 
 def trainer_cells(out_dir, cells, **options) -> dict:
@@ -143,7 +144,7 @@ def _cells_request(module, name, cells, interpret, *, nproc, zero_stage, lr, zer
     imports = ("transformers.trainer", "accelerate") + (("deepspeed",) if zero_stage is not None else ())
     return runner.Request(name=name, module=module, argv=tuple(argv), nproc=nproc, files=runner.files(**files),
                           timeout=timeout, interpret=interpret, imports=imports, late=late,
-                          needs_group=nproc > 1 or zero_stage is not None)
+                          needs_group=nproc > 1 or zero_stage is not None or "--fsdp" in extra)
 
 
 def compare_variants(out_dir: Path, records: list[dict], *, model: str, nproc: int, lr: float,
@@ -186,7 +187,8 @@ def compare_variants(out_dir: Path, records: list[dict], *, model: str, nproc: i
         results[variant] = {**comparison, "windows": [len(w) for w in windows],
                             "rank_status": [{s["id"]: s["state"] for s in r["status"]} for r in ranks],
                             "grad_norms": [r.get("grad_norms", []) for r in ranks],
-                            "rank_runtime": [{s["id"]: s.get("runtime", ()) for s in r["status"]} for r in ranks]}
+                            "rank_runtime": [{s["id"]: s.get("runtime", ()) for s in r["status"]} for r in ranks],
+                            "engine": [r.get("engine") for r in ranks]}
     return results
 
 

@@ -173,9 +173,9 @@ def _new_run(trainer, state: Known, model) -> None:
     state.run, state.stated, state.plans, state.warned = run, None, {}, set()
     state.path = paths.trainer_path(trainer)
     state.compiled = _compiled(trainer, model)
-    if not state.path.covered and paths.stood_aside(FIX_ID, state.path):
-        _warn_main(trainer, "zerofix: %s stands aside on this run, %s: the Trainer's own scaling runs unchanged "
-                   "(zerofix models one process, DDP, DeepSpeed ZeRO-0..3, FSDP1 and FSDP2)", FIX_ID, state.path)
+    if not state.path.covered and paths.stood_aside(FIX_ID, state.path):  # the Trainer's log line: trainer_report
+        _log.info("zerofix: %s stands aside on this run, %s: the Trainer's own scaling runs unchanged "
+                  "(zerofix models one process, DDP, DeepSpeed ZeRO-0..3, FSDP1 and FSDP2)", FIX_ID, state.path)
 
 
 def training_step(wrapped, trainer, args, kwargs):

@@ -45,6 +45,8 @@ def parse_args(argv=None):
                    "(zerofix check --fsdp-config); needs --fsdp")
     p.add_argument("--max-grad-norm", type=float, default=0.0)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--fp16", action="store_true")
+    p.add_argument("--cuda", action="store_true", help="train on the GPU (NCCL between ranks): the GPU tier")
     p.add_argument("--cells", default=None,
                    help="JSON file: a list of cells, each {name, model, gas, samples, epochs, average_tokens, lr}; "
                    "every cell is trained per variant in this one job (results under <out>/<name>/)")
@@ -65,6 +67,7 @@ def cell_args(args, cell: dict):
     cell_args.bs = cell.get("bs", args.bs)
     cell_args.max_grad_norm = cell.get("clip", args.max_grad_norm)
     cell_args.bf16 = cell.get("bf16", args.bf16)
+    cell_args.fp16 = cell.get("fp16", args.fp16)
     return cell_args
 
 
@@ -80,13 +83,14 @@ def deepspeed_config(stage: int) -> dict:
 
 def fsdp_arguments(args) -> dict:
     """TrainingArguments' FSDP settings: the user's fsdp_config where given, else a full shard of every layer.
-    FSDP1's sync_module_states broadcasts from the module's device index, which a CPU module lacks; every rank
-    builds the same weights from the seed, so the broadcast changes nothing."""
+    sync_module_states looks up an accelerator to broadcast from (FSDP1 in torch, both versions in accelerate
+    <= 1.10's plugin), which a CPU run lacks; every rank builds the same weights from the seed, so the broadcast
+    changes nothing and is left out on CPU."""
     if args.fsdp is None:
         return {}
     config = json.loads(Path(args.fsdp_config).read_text()) if args.fsdp_config else {}
     config = {**config, "version": args.fsdp}
-    if args.fsdp == 1:
+    if not args.cuda:
         config.setdefault("sync_module_states", False)
     return {"fsdp": "full_shard", "fsdp_config": config}
 
@@ -127,7 +131,7 @@ def final_weights(model, zero_stage, wrapped=None) -> dict:
         from zerofix.check.fsdp_cpu import full_state
 
         return full_state(model, wrapped)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}  # .cpu(): the GPU tier
     if zero_stage == 3:
         from deepspeed.utils import safe_get_full_fp32_param
 
@@ -141,7 +145,7 @@ def final_weights(model, zero_stage, wrapped=None) -> dict:
             if full is None:
                 raise RuntimeError(f"no fp32 copy of {name}: requires_grad={param.requires_grad} "
                                    f"ds_id={hasattr(param, 'ds_id')} z3={hasattr(param, '_z3_optimizer')}")
-            state[name] = full.detach().clone()
+            state[name] = full.detach().cpu().clone()
     return state
 
 
@@ -182,12 +186,13 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         output_dir=str(out / f"trainer-{variant}"), per_device_train_batch_size=args.bs,
         gradient_accumulation_steps=args.gas, max_steps=args.steps if not args.samples else -1,
         num_train_epochs=args.epochs, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, max_grad_norm=args.max_grad_norm, bf16=args.bf16, optim="sgd", report_to="none",
+        weight_decay=0.0, max_grad_norm=args.max_grad_norm, bf16=args.bf16, fp16=args.fp16, optim="sgd",
+        report_to="none",
         save_strategy="no",
-        logging_strategy="no", use_cpu=True, seed=args.seed, dataloader_num_workers=0,
+        logging_strategy="no", use_cpu=not args.cuda, seed=args.seed, dataloader_num_workers=0,
         remove_unused_columns=False, disable_tqdm=True,
         **({} if args.no_average_tokens is None else {"average_tokens_across_devices": not args.no_average_tokens}),
-        **({"ddp_backend": "gloo"} if world > 1 else {}),
+        **({"ddp_backend": "gloo"} if world > 1 and not args.cuda else {}),
         **({"deepspeed": user_config(args) or deepspeed_config(args.zero_stage)} if args.zero_stage is not None else {}),
         **fsdp_arguments(args),
     )
@@ -240,14 +245,14 @@ def run(argv=None):
     out = Path(args.out)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    if world > 1:
+    if world > 1 and not args.cuda:
         from accelerate import PartialState
 
         PartialState(backend="gloo")  # accelerate >= 1.13 on CPU otherwise sees one process
     with contextlib.ExitStack() as stack:
         if args.zero_stage is not None:
             stack.enter_context(steps_without_grad_mode())
-        if args.fsdp is not None:
+        if args.fsdp is not None and not args.cuda:
             from zerofix.check.fsdp_cpu import fsdp_on_cpu
 
             stack.enter_context(fsdp_on_cpu())
