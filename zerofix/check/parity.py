@@ -61,11 +61,11 @@ def trainer_request(cells, *, nproc: int = 1, zero_stage: int | None = None, lr:
         results = {}
         for cell in cells:
             cell_records = [r for r in records if r["cell_dir"] == cell["name"]]
-            loss_mode = loss_mode_of(cell["model"], cell.get("loss", "model"))
+            loss_mode = cell.get("loss_modes") or loss_mode_of(cell["model"], cell.get("loss", "model"))
             average = cell.get("average_tokens", True)
             if average is None:  # the release's default, as the ranks' TrainingArguments had it
                 average = all(r["average_tokens"] for r in cell_records)
-            if loss_mode == "token-mean" and not average:
+            if not isinstance(loss_mode, list) and loss_mode == "token-mean" and not average:
                 loss_mode = "rank-token-mean"  # each rank normalises by its own tokens, then ranks are averaged
             results[cell["name"]] = compare_variants(out_dir / cell["name"], cell_records, model=cell["model"],
                                                      nproc=nproc, lr=cell.get("lr", lr), loss_mode=loss_mode,
@@ -155,6 +155,7 @@ def compare_variants(out_dir: Path, records: list[dict], *, model: str, nproc: i
 
     shared_init = torch.load(out_dir / "init.pt")
     loss_mode = loss_mode or loss_mode_of(model)
+    modes = loss_mode if isinstance(loss_mode, list) else None  # one per window (a loss that changes its kind)
     results = {}
     for variant in sorted({r["variant"] for r in records}):
         own = out_dir / variant / "init.pt"  # the weights this variant started from, where it saved them
@@ -171,9 +172,9 @@ def compare_variants(out_dir: Path, records: list[dict], *, model: str, nproc: i
             starts = [init] + [torch.load(p) for p in snapshots[:-1]]
             per_window = [
                 reference.compare(start, torch.load(end), reference.reference_state(
-                    model, start, [window], loss_mode=loss_mode, optimizer_factory=reference.sgd(lr), ranks=nproc,
-                    clip=clip))
-                for start, end, window in zip(starts, snapshots, windows, strict=True)]
+                    model, start, [window], loss_mode=modes[i] if modes else loss_mode,
+                    optimizer_factory=reference.sgd(lr), ranks=nproc, clip=clip))
+                for i, (start, end, window) in enumerate(zip(starts, snapshots, windows, strict=True))]
             comparison = dict(max(per_window, key=lambda c: c["rel_err"]))
             comparison["per_window"] = per_window
         else:

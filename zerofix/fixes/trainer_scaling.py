@@ -337,6 +337,8 @@ def _warn_rescaled(step: TrainerStep, call: scaling.Call) -> None:
     if not call.loss_is_mean or state.stated:
         return
     state.warned.add("rescaled")
+    if state.details is not None and "rescaled as a mean, unstated" not in state.details.setdefault("warnings", []):
+        state.details["warnings"].append("rescaled as a mean, unstated")
     how = " (it took the count as a Python number, which cannot be followed)" if num_items_watch.python_reads() else ""
     _warn_main(trainer, "zerofix: %s's loss does not depend on num_items_in_batch%s: zerofix scales it as a "
                "micro-batch mean (averaged over the window's %d micro-batches). If your compute_loss already divides "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 from pathlib import Path
@@ -17,12 +18,21 @@ from pathlib import Path
 from zerofix.check.session import collect_and_freeze, freeze_once
 
 
+# compute_loss overrides of issue 40, each around the base Trainer.compute_loss (the model's own loss):
+# logged-count: logs float(num_items_in_batch) and keeps .item(); deepcopy-count: deep-copies the count first;
+# hand-divided: divides the loss by gradient_accumulation_steps itself (the classifier's natural workaround);
+# hand-divided-stated: the same, stated with zerofix.loss_is_scaled_for_ga(trainer);
+# late-count: the first optimizer step returns the micro-batch's token mean, later ones the model's own loss.
+USER_LOSSES = ("logged-count", "deepcopy-count", "hand-divided", "hand-divided-stated", "late-count")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="causal-lm", help="a kind of zerofix.check.models, or hf:<shrunk config file>")
-    p.add_argument("--loss", default="model", choices=("model", "subclass-mean", "func-mean"),
+    p.add_argument("--loss", default="model", choices=("model", "subclass-mean", "func-mean") + USER_LOSSES,
                    help="who computes the loss: the model, a Trainer subclass's compute_loss returning the micro-batch "
-                   "mean, or a compute_loss_func returning it (both ignore num_items_in_batch)")
+                   "mean, or a compute_loss_func returning it (both ignore num_items_in_batch); or one of issue 40's "
+                   "compute_loss overrides (USER_LOSSES)")
     p.add_argument("--gas", type=int, default=8)
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--bs", type=int, default=2)
@@ -39,6 +49,7 @@ def parse_args(argv=None):
                    help="train through DeepSpeed with this ZeRO stage (default: no DeepSpeed)")
     p.add_argument("--ds-config", default=None, help="JSON file: a user's resolved DeepSpeed configuration, used "
                    "instead of the scenario's (zerofix check --deepspeed); needs --zero-stage")
+    p.add_argument("--dispatch", action="store_true", help="accelerate's dispatch_model(force_hooks=True) first")
     p.add_argument("--fsdp", type=int, choices=(1, 2), default=None,
                    help="train through accelerate's FSDP (version 1 or 2), on CPU too (zerofix.check.fsdp_cpu)")
     p.add_argument("--fsdp-config", default=None, help="JSON file: a user's fsdp_config for TrainingArguments "
@@ -59,6 +70,7 @@ def cell_args(args, cell: dict):
     cell_args = argparse.Namespace(**vars(args))
     cell_args.model, cell_args.gas = cell["model"], cell["gas"]
     cell_args.loss = cell.get("loss", "model")
+    cell_args.dispatch = cell.get("dispatch", args.dispatch)
     cell_args.samples = cell.get("samples", 0)
     cell_args.epochs = cell.get("epochs", 1)
     average = cell.get("average_tokens", True)  # None: the installed release's default
@@ -173,10 +185,18 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         def compute_loss(self, model, inputs, *a, **k):
             idx = inputs.pop("sample_idx")
             windows.setdefault(self.state.global_step, []).append([int(i) for i in idx])
-            if args.loss == "subclass-mean":  # a user's own loss: the micro-batch's token mean, no super()
-                labels = inputs.pop("labels")
+            count = k.get("num_items_in_batch", a[1] if len(a) > 1 else None)
+            if args.loss == "subclass-mean" or (args.loss == "late-count" and self.state.global_step == 0):
+                labels = inputs.pop("labels")  # a user's own loss: the micro-batch's token mean, no super()
                 return models.next_token_ce(model(**inputs).logits, labels, "mean")
-            return super().compute_loss(model, inputs, *a, **k)
+            if args.loss == "logged-count":
+                self.zerofix_logged = (float(count), count.item())
+            if args.loss == "deepcopy-count":
+                self.zerofix_copied = copy.deepcopy(count)
+            loss = super().compute_loss(model, inputs, *a, **k)
+            if args.loss.startswith("hand-divided"):
+                loss = loss / self.args.gradient_accumulation_steps
+            return loss
 
     def mean_loss_func(outputs, labels, num_items_in_batch=None):
         """A compute_loss_func that ignores num_items_in_batch: the micro-batch's token mean."""
@@ -224,8 +244,14 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
 
     grad_norms = []  # DeepSpeed's global gradient norm after each optimizer step
     extra = {"compute_loss_func": mean_loss_func} if args.loss == "func-mean" else {}
+    if args.dispatch:  # accelerate's device hooks on every layer, as device_map="auto" sets them (issue 40)
+        from accelerate import dispatch_model
+
+        model = dispatch_model(model, device_map={"": "cpu"}, force_hooks=True)
     trainer = RecordingTrainer(model=model, args=training_args, train_dataset=dataset,
                                data_collator=models.stack, callbacks=[Snapshots()], **extra)
+    if args.loss == "hand-divided-stated":
+        zerofix.loss_is_scaled_for_ga(trainer)
     trainer.train()
     weights = final_weights(model, args.zero_stage, fsdp_wrapped())
     if rank == 0:
