@@ -52,12 +52,36 @@ MANUAL = "zerofix.fixes.deepspeed_manual_accumulation"
 SCALE = "zerofix.fixes.deepspeed_scale_wrt_gas"
 HOOK = "zerofix.fixes.deepspeed_output_hook_division"
 SHORT = "zerofix.fixes.accelerate_short_window"
+MOE = "zerofix.fixes.trainer_moe_aux"
 
 FIXES: tuple[Fix, ...] = (
     # The Trainer's gradient-accumulation scaling (zerofix.fixes.trainer_scaling, rule in zerofix.scaling):
     # training_step watches whether the loss reads num_items_in_batch, Accelerator.backward divides exactly
     # once; a plain accelerate loop is never touched. Replaces transformers-nokw-undivided,
     # transformers-deepspeed-double-division and transformers-accelerate-double-division (RETIRED below).
+    # The MoE router auxiliary loss (zerofix.fixes.trainer_moe_aux): re-weighted inside the Trainer entry's step,
+    # after its plan; listed first so its Accelerator.backward layer is the inner one (it sees the plan carried out).
+    Fix(
+        id="transformers-moe-aux-loss",
+        title="The Trainer scales an MoE model's router auxiliary loss like its normalised cross-entropy: GAS x "
+        "(and x processes) too heavy",
+        dist="transformers",
+        affected=">=4.46",  # every release measured (4.57.1 - 5.23.0 with Mixtral); #48690 is open
+        targets=(
+            Target("transformers.trainer", "Trainer.compute_loss", MOE + ":compute_loss"),
+            Target("accelerate.accelerator", "Accelerator.backward", MOE + ":backward"),
+        ),
+        implementation=MOE,
+        upstream=(
+            "https://github.com/huggingface/transformers/issues/48690",
+            "https://github.com/huggingface/transformers/pull/48691",
+        ),
+        fixed_in=None,
+        where="Trainer with gradient_accumulation_steps > 1 and a Mixture-of-Experts model whose loss adds "
+        "router_aux_loss_coef x aux_loss (output_router_logits): the auxiliary term trains at GAS x, and x processes "
+        "with average_tokens_across_devices; on 5.2.0-5.5.3 it is the cross-entropy that is off instead",
+        covers="trainer: as transformers-trainer-scaling, whose step and plan it uses (paths.trainer_path)",
+    ),
     Fix(
         id="transformers-trainer-scaling",
         title="Trainer scales the loss by gradient_accumulation_steps (and the number of processes) from a "

@@ -6,7 +6,9 @@ The model kinds cover the Trainer's normalisation paths:
 - ``seq-cls-llama`` / ``seq-cls-bert``: LlamaForSequenceClassification and BertForSequenceClassification,
   whose forwards take ``**kwargs`` (on the releases that have them) but whose loss is the mean over the
   micro-batch's samples: the Trainer's guess from the signature is wrong for them;
-- ``peft-seq-cls-llama``: the Llama classifier wrapped by PEFT (LoRA), where peft is installed.
+- ``peft-seq-cls-llama``: the Llama classifier wrapped by PEFT (LoRA), where peft is installed;
+- ``moe``: a transformers MixtralForCausalLM with ``output_router_logits`` and ``router_aux_loss_coef`` 0.5: its
+  loss is the normalised cross-entropy plus the coefficient times the micro-batch's router load-balancing loss.
 A sequence-level kind's samples carry one class label each (``TASK``).
 """
 from __future__ import annotations
@@ -21,7 +23,8 @@ VOCAB = 64
 SEQ = 12
 IGNORE = -100
 NUM_LABELS = 3
-MODEL_KINDS = ("causal-lm", "custom", "seq-cls-llama", "seq-cls-bert", "peft-seq-cls-llama")
+MODEL_KINDS = ("causal-lm", "custom", "seq-cls-llama", "seq-cls-bert", "peft-seq-cls-llama", "moe")
+MOE_AUX_COEF = 0.5
 SEQUENCE_KINDS = ("seq-cls-llama", "seq-cls-bert", "peft-seq-cls-llama")
 
 
@@ -103,6 +106,18 @@ def build_model(kind: str, seed: int = 0, *, loss_only: bool = False) -> nn.Modu
             model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                      task_type="SEQ_CLS", init_lora_weights=False))
         return model
+    if kind == "moe":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, num_local_experts=4,
+            num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=MOE_AUX_COEF,
+            router_jitter_noise=0.0, attn_implementation="eager",
+        )
+        if hasattr(config, "_experts_implementation"):  # 5.x: eager experts (its grouped-mm takes no float64)
+            config._experts_implementation = "eager"
+        return MixtralForCausalLM(config)
     if kind == "seq-cls-bert":
         from transformers import BertConfig, BertForSequenceClassification
 
@@ -147,6 +162,14 @@ def loss_sum(kind: str, model: nn.Module, batch: dict) -> tuple[torch.Tensor, in
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     logits = out["logits"] if isinstance(out, dict) else out.logits
     return F.cross_entropy(logits, batch["labels"], reduction="sum"), int(batch["labels"].numel())
+
+
+def moe_losses(model: nn.Module, batch: dict) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """(sum of next-token cross-entropies, number of counted tokens, the router's auxiliary loss) of one
+    micro-batch of a ``moe`` model."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_router_logits=True)
+    ce = next_token_ce(out.logits, batch["labels"], "sum")
+    return ce, int((batch["labels"][:, 1:] != IGNORE).sum()), out.aux_loss
 
 
 def token_loss_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, int]:

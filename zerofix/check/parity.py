@@ -7,7 +7,7 @@ from pathlib import Path
 from zerofix.check import launch, runner
 
 TRAINER_GAS = "zerofix.check.scenarios.trainer_gas"
-LOSS_MODE = {"causal-lm": "token-mean", "custom": "batch-mean"}
+LOSS_MODE = {"causal-lm": "token-mean", "custom": "batch-mean", "moe": "moe"}
 # Trainer cells whose loss is computed by the Trainer's user, not the model (``loss`` of a cell): the
 # micro-batch mean of the causal LM's tokens, returned by a compute_loss override or a compute_loss_func.
 MEAN_LOSSES = ("subclass-mean", "func-mean")
@@ -72,6 +72,11 @@ def trainer_request(cells, *, nproc: int = 1, zero_stage: int | None = None, lr:
                                                      clip=cell.get("clip", 0.0))
             if "patched" in results[cell["name"]]:
                 results[cell["name"]]["patched"]["bitwise_as_unpatched"] = bitwise_same(out_dir / cell["name"])
+            if cell.get("unpatched_mode"):  # the bug's own reference: how the unpatched run weights the loss
+                results[cell["name"]]["unpatched_as_bug"] = compare_variants(
+                    out_dir / cell["name"], [r for r in cell_records if r["variant"] == "unpatched"],
+                    model=cell["model"], nproc=nproc, lr=cell.get("lr", lr), loss_mode=cell["unpatched_mode"],
+                    clip=cell.get("clip", 0.0))["unpatched"]
         return results
 
     return _cells_request(TRAINER_GAS, name, cells, interpret, nproc=nproc, zero_stage=zero_stage, lr=lr,

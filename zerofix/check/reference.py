@@ -4,7 +4,10 @@ the ranks consumed.
 The loss the user means, per accumulation window (all micro-batches of all ranks between two optimizer
 steps): ``token-mean`` = sum of every counted token's loss / number of counted tokens (models taking
 loss kwargs); ``rank-token-mean`` = the mean over ranks of each rank's token mean over its share of the
-window (what ``average_tokens_across_devices=False`` asks for); ``batch-mean`` = mean of the micro-batch means (models without them). Computed in
+window (what ``average_tokens_across_devices=False`` asks for); ``batch-mean`` = mean of the micro-batch means (models without them);
+``moe`` = the token mean plus the router auxiliary loss averaged over the window's micro-batches (of every rank),
+times the model's coefficient (``moe:<c>:<a>``: the token mean times c plus the auxiliary term times a, how a
+mis-scaled run weights them). Computed in
 float64, so the comparison measures the distributed run's error, not the reference's.
 """
 from __future__ import annotations
@@ -37,7 +40,7 @@ def reference_state(kind: str, init_state: dict, windows, *, loss_mode: str, opt
     mostly from the same weights): the key is the weights' bytes, the windows and every other argument, and an
     optimizer factory that is not a value (a lambda) is never cached.
     """
-    if loss_mode not in LOSS_MODES:
+    if loss_mode not in LOSS_MODES and not loss_mode.startswith("moe"):
         raise ValueError(f"loss_mode must be one of {LOSS_MODES}")
     key = None
     if isinstance(optimizer_factory, SGD):
@@ -80,6 +83,8 @@ def _objective(model, window, loss_mode: str, *, last_of_each: int = 0, ranks: i
                kind: str = "causal-lm"):
     """The loss the user means over one window (see the module docstring); a sequence-level kind counts
     samples where a token-level one counts tokens."""
+    if loss_mode.startswith("moe"):
+        return _moe_objective(model, window, loss_mode, seed)
     task = models.task_of(kind)
     sums, counts = zip(*(models.loss_sum(kind, model, models.collate(mb, seed, task)) for mb in window))
     kept = range(len(window))
@@ -95,6 +100,13 @@ def _objective(model, window, loss_mode: str, *, last_of_each: int = 0, ranks: i
         slices = [range(r * per_rank, (r + 1) * per_rank) for r in range(ranks)]
         return torch.stack([sum(sums[i] for i in sl) / sum(counts[i] for i in sl) for sl in slices]).mean()
     return torch.stack([sums[i] / counts[i] for i in kept]).sum() / len(window)
+
+
+def _moe_objective(model, window, loss_mode: str, seed: int):
+    ce_weight, aux_weight = (float(x) for x in (loss_mode.split(":")[1:] or ("1", "1")))
+    ces, counts, auxes = zip(*(models.moe_losses(model, models.collate(mb, seed)) for mb in window))
+    coef = float(getattr(model, "router_aux_loss_coef", models.MOE_AUX_COEF))
+    return ce_weight * torch.stack(ces).sum() / sum(counts) + aux_weight * coef * torch.stack(auxes).mean()
 
 
 def window_loss(kind: str, state: dict, window, *, loss_mode: str, ranks: int = 1, seed: int = 0) -> float:

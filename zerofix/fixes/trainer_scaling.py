@@ -105,12 +105,14 @@ def known(trainer) -> Known:
 
 
 class TrainerStep:
-    __slots__ = ("trainer", "num_items", "watching", "base_ran", "handled")
+    __slots__ = ("trainer", "num_items", "watching", "base_ran", "handled", "aux", "call", "plan")
 
     def __init__(self, trainer, num_items, watching):
         self.trainer, self.num_items, self.watching = trainer, num_items, watching
         self.base_ran = False  # the base Trainer.compute_loss ran (and multiplied by the processes if it does)
         self.handled = False
+        self.aux = None  # (auxiliary loss, coefficient) of an MoE model: transformers-moe-aux-loss
+        self.call = self.plan = None  # this step's scaling.Call and Plan, once backward has them
 
 
 _release = None
@@ -299,16 +301,18 @@ def describe(accelerator, step: TrainerStep, kwargs) -> scaling.Call:
         accelerate_steps=int(accelerator.gradient_accumulation_steps))
 
 
-def _plan(accelerator, step: TrainerStep, kwargs) -> scaling.Plan:
-    """``scaling.plan(describe(...))``, computed once per distinct set of facts of a trainer: the facts change
-    at a short window and when a verdict arrives, not from step to step (a step then costs a few attribute reads)."""
+def _plan(accelerator, step: TrainerStep, kwargs) -> tuple[scaling.Call, scaling.Plan]:
+    """``describe(...)`` and its ``scaling.plan``, computed once per distinct set of facts of a trainer: the facts
+    change at a short window and when the verdict changes, not from step to step (a step then costs a few attribute
+    reads)."""
     trainer, state = step.trainer, known(step.trainer)
     key = (getattr(trainer, "model_accepts_loss_kwargs", None), getattr(trainer, "compute_loss_func", None) is None,
            getattr(trainer, "loss_is_scaled_for_ga", None), step.num_items is None, step.base_ran,
            state.window, state.reads, state.statement, kwargs.get("scale_wrt_gas", True),
            accelerator.gradient_accumulation_steps, trainer.args.gradient_accumulation_steps)
     if key not in state.plans:
-        state.plans[key] = scaling.plan(describe(accelerator, step, kwargs))
+        call = describe(accelerator, step, kwargs)
+        state.plans[key] = (call, scaling.plan(call))
     return state.plans[key]
 
 
@@ -366,11 +370,12 @@ def backward(wrapped, accelerator, args, kwargs):
     reads = num_items_watch.depends(loss) if step.watching else None
     loss = num_items_watch.unwatched(loss)  # the engine gets a plain tensor: bitwise the same value and graph
     details = _record_verdict(step, reads)
-    plan = _plan(accelerator, step, kwargs)
+    step.call, plan = _plan(accelerator, step, kwargs)
+    step.plan = plan
     if plan.changes:
         details["corrected"] += 1
         if "rescaled" not in known(step.trainer).warned:
-            _warn_rescaled(step, describe(accelerator, step, kwargs))
+            _warn_rescaled(step, step.call)
         if plan.multiply_by != 1:
             loss = loss * plan.multiply_by
         if plan.divide_by != 1:
