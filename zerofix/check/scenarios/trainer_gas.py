@@ -104,6 +104,8 @@ def fsdp_arguments(args) -> dict:
     config = {**config, "version": args.fsdp}
     if not args.cuda:
         config.setdefault("sync_module_states", False)
+    # transformers < 5 leaves the version to accelerate's environment, as `accelerate launch` sets it
+    os.environ["FSDP_VERSION"] = str(args.fsdp)
     return {"fsdp": "full_shard", "fsdp_config": config}
 
 
@@ -170,6 +172,14 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
     from zerofix.check import models
     from zerofix.check.fsdp_cpu import engine_facts
 
+    if args.fsdp is not None:
+        # accelerate's state outlives a Trainer: an FSDP plugin and its mixed precision from the previous cell would
+        # be this one's (transformers < 5 keep it); each cell starts from the process group alone
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=False)
+        for key in [k for k in os.environ if k.startswith(("FSDP_", "ACCELERATE_MIXED_PRECISION"))]:
+            del os.environ[key]  # so are the FSDP_* and mixed-precision variables TrainingArguments exported
     model = models.build_model(args.model, args.seed)
     freeze_once()  # see ds_accumulation: DeepSpeed 0.18.x's gc.collect() calls would scan every library object
     if rank == 0 and not (out / "init.pt").exists():
