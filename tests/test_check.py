@@ -154,9 +154,17 @@ def run_cli(*argv) -> int:
     (["--frobnicate"], "unrecognized arguments"),
     (["--timeout", "0"], "--timeout must be a positive number of seconds"),
     (["--json", "/nonexistent-dir/x.json"], "--json /nonexistent-dir/x.json: the directory /nonexistent-dir does not"),
+    (["--fsdp-config", "/nonexistent.json"], "--fsdp-config /nonexistent.json: No such file or directory"),
+    (["--fsdp-config", "{tmp}/typo.json"], "unknown key 'reshard_after_froward' (did you mean 'reshard_after_forward'?)"),
+    (["--fsdp-config", "{tmp}/list.json"], "a JSON object of fsdp_config keys is needed, not list"),
+    (["--fsdp-config", "{tmp}/v1.json"], "version 1: FSDP1 does not run on CPU"),
+    (["--fsdp-config", "{tmp}/v1.json", "--quick"], "--fsdp-config runs the Trainer's FSDP rows"),
 ])
-def test_usage_errors_exit_2_and_say_why(argv, message, capsys):
-    assert run_cli(*argv) == 2
+def test_usage_errors_exit_2_and_say_why(argv, message, capsys, tmp_path):
+    for name, text in (("typo.json", '{"reshard_after_froward": false}'), ("list.json", "[]"),
+                       ("v1.json", '{"fsdp_version": 1}')):
+        (tmp_path / name).write_text(text)
+    assert run_cli(*[a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
     err = capsys.readouterr().err
     # one line: the problem and where the options are, no usage block before it
     assert message in err and err.count("\n") == 1 and "--help' lists the options" in err, err

@@ -5,7 +5,8 @@ rank); unpatched, exactly the mis-weighting measured on the stack, asserted as i
 the cross-entropy times c, the auxiliary term times a), so a release that changes how it weights either term fails
 here.
 
-Measured (1e-7 against those references): transformers 5.23 / 5.0 / 4.57, 1 process: the auxiliary term x4 (GAS),
+Measured (1e-7 against those references): transformers 5.23 / 5.0 / 4.57 / 4.48 / 4.46, 1 process: the auxiliary term
+x4 (GAS),
 2 DDP processes with average_tokens_across_devices: x8 (GAS x processes), through DeepSpeed ZeRO-2: x8; 5.3 (accelerate
 divides again): the cross-entropy x0.25 and the auxiliary term right on 1 process (x2 on 2), so there the Trainer
 entry restores the cross-entropy and this entry keeps the auxiliary term where it was.
@@ -20,7 +21,10 @@ from zerofix.check import parity
 
 pytestmark = pytest.mark.distributed
 ENTRY = "transformers-moe-aux-loss"
-STACKS = ("latest", "2026-04", "2025-12", "2025-10")
+STACKS = ("latest", "2026-04", "2025-12", "2025-10", "2025-01", "2024-11")
+# transformers 4.46 / 4.48: average_tokens_across_devices is off by default (each rank normalises by its own tokens,
+# which the moe reference does not model yet) and DeepSpeed divides again (#35808): one process there
+ONE_PROCESS_ONLY = ("2025-01", "2024-11")
 # (stack, path) -> the unpatched run's weights (cross-entropy, auxiliary term), per number of processes
 UNPATCHED = {
     ("2026-04", "nods"): {1: "moe:0.25:1", 2: "moe:0.25:2"},
@@ -41,6 +45,8 @@ def cell(stack: str, stage, nproc: int) -> dict:
 
 
 def moe_requests(stack, stage, nproc):
+    if stack in ONE_PROCESS_ONLY and (stage, nproc) != (None, 1):
+        return []
     return [parity.trainer_request([cell(stack, stage, nproc)], nproc=nproc, zero_stage=stage, name="trainer-moe")]
 
 
@@ -48,6 +54,8 @@ def moe_requests(stack, stage, nproc):
 @pytest.mark.parametrize("stage, nproc", GROUPS, ids=["no-deepspeed-1rank", "no-deepspeed-2rank", "zero2-2rank"])
 @uses(moe_requests)
 def test_the_router_aux_loss_is_weighted_as_in_one_big_batch(ranks, stack, stage, nproc):
+    if not moe_requests(stack, stage, nproc):
+        pytest.skip("transformers 4.46 / 4.48: one process only (see ONE_PROCESS_ONLY)")
     result = ranks.result(*moe_requests(stack, stage, nproc))["moe"]
     where = f"moe zero={stage} ranks={nproc} on {stack}"
     mode, fixed = cell(stack, stage, nproc)["unpatched_mode"], result["patched"]

@@ -141,3 +141,17 @@ def test_an_int_count_becomes_a_tensor_with_bitwise_the_same_divisions():
             assert as_tensor.dtype == torch.int64 and int(as_tensor) == k
             assert torch.equal(sums / k, sums / as_tensor) and (sums / as_tensor).dtype == dtype
     assert watch.as_tensor_like_release(True) is True and watch.as_tensor_like_release(None) is None
+
+
+def test_zerofixs_own_chunked_loss_shows_that_it_divides_by_the_count():
+    """zerofix.chunked_cross_entropy divides by the count inside its kernel, as a float; its result still depends
+    on the tensor, bitwise the same (found by zerofix check's trl-sft-chunked-nll row on 2026-04: 0.5 otherwise)."""
+    from zerofix.losses import chunked_cross_entropy
+
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(10, 8, generator=g), torch.randn(16, 8, generator=g)
+    labels = torch.randint(0, 16, (10,), generator=g)
+    plain = chunked_cross_entropy(hidden, weight, labels, num_items_in_batch=torch.tensor(23))
+    followed = chunked_cross_entropy(hidden, weight, labels, num_items_in_batch=watch.watched(torch.tensor(23)))
+    assert watch.depends(followed) and torch.equal(watch.unwatched(followed), plain)
+    assert not watch.depends(chunked_cross_entropy(hidden, weight, labels))

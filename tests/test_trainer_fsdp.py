@@ -13,7 +13,7 @@ latest, 2 ranks); the fp32 cells are the plain FSDP2 path. The same cells as tes
 the factor measured without FSDP on that stack (FSDP2 divides and averages as DDP does: accelerate's backward is
 the same); patched, the float64 reference; where upstream is right, bitwise its weights.
 
-accelerate 1.1.1 / 1.3.0 (2024-11, 2025-01) have no FSDP2; FSDP1 (and FSDP2 on 2025-10) on CPU stops in torch's own device handling
+accelerate 1.1.1 / 1.3.0 (2024-11, 2025-01) have no FSDP2; FSDP1 on CPU stops in torch's own device handling
 (docs/fixes.md, "Paths"): FSDP1 is measured on a GPU only (tests/test_gpu.py).
 """
 from __future__ import annotations

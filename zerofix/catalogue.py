@@ -66,7 +66,7 @@ FIXES: tuple[Fix, ...] = (
         title="The Trainer scales an MoE model's router auxiliary loss like its normalised cross-entropy: GAS x "
         "(and x processes) too heavy",
         dist="transformers",
-        affected=">=4.46",  # every release measured (4.57.1 - 5.23.0 with Mixtral); #48690 is open
+        affected=">=4.46",  # every release measured (4.46.3 - 5.23.0 with Mixtral); #48690 is open
         targets=(
             Target("transformers.trainer", "Trainer.compute_loss", MOE + ":compute_loss"),
             Target("accelerate.accelerator", "Accelerator.backward", MOE + ":backward"),

@@ -415,6 +415,11 @@ def _run(hidden, weight, labels, bias, *, ignore_index, reduction, num_items_in_
         full = full.masked_scatter(valid, out) if n_valid else full + out.sum() * 0
         out = full.view(labels.shape)
     out = out.to(out_dtype or hidden.dtype)
+    if reduction == "mean" and isinstance(num_items_in_batch, torch.Tensor):
+        # The value is divided by the count inside the kernel, as a Python float: make that visible to whoever follows
+        # the count through torch operations (the Trainer entry's watch, zerofix.num_items_watch). count x 0 is an
+        # exact 0, so the loss keeps every bit.
+        out = out + num_items_in_batch.detach().to(out.device, out.dtype) * 0
     # The scatter of dh back to the ignored positions is autograd's (the indexing above), so ignored
     # positions get an exact zero gradient.
     return out, ChunkedStats(correct, entropy, torch.tensor(n_valid, device=hidden.device))

@@ -63,6 +63,9 @@ def add_arguments(p) -> None:
     own.add_argument("--fp16", action="store_true", help="your run trains in fp16 (not reproducible on CPU)")
     own.add_argument("--model", metavar="PATH", help="a local model directory or config.json: the scenarios train a "
                      "tiny random model of the same class (nothing is downloaded)")
+    own.add_argument("--fsdp-config", metavar="FSDP_CONFIG.json", help="your TrainingArguments.fsdp_config (a JSON "
+                     "object): the Trainer's FSDP rows train with it (FSDP2 runs on CPU through accelerate's own FSDP "
+                     "code; FSDP1 needs a GPU)")
     own.add_argument("--trainer-args", metavar="ARGS.json", help="your TrainingArguments as JSON "
                      "(TrainingArguments.to_json_string()): GAS, batch size, max_grad_norm, "
                      "average_tokens_across_devices")
@@ -77,15 +80,16 @@ def main(args, parser) -> int:
     found = versions()
     try:
         user = _user(args, nproc, workdir) if args.deepspeed else None
-        rows = plan.select(only=_names(args.only), skip=_names(args.skip), quick=args.quick,
-                           rows=user["rows"] if user else None)
+        fsdp = plan.fsdp_setup(args.fsdp_config) if args.fsdp_config else None
+        rows = plan.select(only=_names(args.only) or (["trainer-fsdp2-*"] if fsdp else None), skip=_names(args.skip),
+                           quick=args.quick, rows=user["rows"] if user else None)
     except (plan.UsageError, userconfig.ConfigError) as exc:
         _remove(workdir, args)
         parser.error(str(exc))
     if not rows:
         _remove(workdir, args)
         parser.error("no scenario left to run")
-    checked = plan.make(rows, nproc, found, user)
+    checked = plan.make(rows, nproc, found, user or fsdp)
     # The check runs on CPU (the ranks' environment hides GPUs too); named, DeepSpeed does not warn that it
     # found no GPU in this process.
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -93,6 +97,9 @@ def main(args, parser) -> int:
     print(report.header(found, nproc), flush=True)
     if user:
         print(report.user_header(user), flush=True)
+    if fsdp:
+        print(f"your FSDP configuration: {args.fsdp_config}: {json.dumps(fsdp['fsdp_config'], sort_keys=True)}",
+              flush=True)
     print(report.preflight(found, rows), flush=True)
     workdir.mkdir(parents=True, exist_ok=True)
     try:
@@ -142,6 +149,8 @@ def _check_arguments(args, parser) -> int:
                      f"config too: add --deepspeed DS_CONFIG.json (or leave out {said} for the built-in scenarios)")
     if args.deepspeed and args.quick:
         parser.error("--quick runs the built-in scenarios; leave it out with --deepspeed")
+    if args.fsdp_config and (args.deepspeed or args.quick):
+        parser.error("--fsdp-config runs the Trainer's FSDP rows; leave out --deepspeed and --quick")
     if args.quick and args.nproc not in (None, 1):
         parser.error("--quick runs 1 process; leave out --nproc")
     nproc = 1 if args.quick else (2 if args.nproc is None else args.nproc)

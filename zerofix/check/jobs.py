@@ -37,17 +37,20 @@ def model_of(name: str) -> str:
     """The model kind a trainer-* / accelerate-* row trains (its name's suffix)."""
     if name.endswith("-seq-cls"):
         return "seq-cls-llama"
+    if name.endswith("-moe"):
+        return "moe"
     return "causal-lm" if name.endswith("-causal-lm") else "custom"
 
 
-def trainer(job, rows, nproc, timeout, workdir, *, cells=None, zero_stage=None, ds_config=None):
+def trainer(job, rows, nproc, timeout, workdir, *, cells=None, zero_stage=None, ds_config=None, fsdp_config=None):
     cells = cells or [{"name": model_of(r.name), "model": model_of(r.name), "gas": TRAINER_GAS,
                        "samples": WINDOWS * TRAINER_GAS * BATCH * nproc} for r in rows]
     zero_stage = job.zero_stage if zero_stage is None else zero_stage
     # One process without DeepSpeed: a request per cell, so that the ranks of the session that hosts them share them
-    by_cell = nproc == 1 and zero_stage is None
+    by_cell = nproc == 1 and zero_stage is None and job.fsdp is None
     requests = [parity.trainer_request(part, nproc=nproc, zero_stage=zero_stage, lr=LR, timeout=timeout,
-                                       ds_config=ds_config, name=job.name)
+                                       ds_config=ds_config, name=job.name, fsdp=job.fsdp,
+                                       fsdp_config=fsdp_config if job.fsdp else None)
                 for part in ([[c] for c in cells] if by_cell else [cells])]
 
     def results(batch):
@@ -459,4 +462,6 @@ def planner(job):
 def plan(job, rows, nproc: int, timeout: float, workdir: Path, user: dict | None = None) -> Planned:
     if job.name in USER_PLANNERS:
         return USER_PLANNERS[job.name](job, rows, nproc, timeout, Path(workdir), user)
+    if job.fsdp and user and user.get("fsdp_config") is not None:  # --fsdp-config: the user's FSDP settings
+        return trainer(job, rows, nproc, timeout, Path(workdir), fsdp_config=user["fsdp_config"])
     return planner(job)(job, rows, nproc, timeout, Path(workdir))

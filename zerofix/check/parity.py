@@ -51,7 +51,8 @@ def trainer_gas(out_dir, *, env=None, launcher_prefix=(), python: str = sys.exec
 
 def trainer_request(cells, *, nproc: int = 1, zero_stage: int | None = None, lr: float = 5.0,
                     zerofix: str = "both", timeout: float = 900, ds_config: dict | None = None,
-                    name: str = "trainer", fsdp: int | None = None, extra_args=()) -> runner.Request:
+                    name: str = "trainer", fsdp: int | None = None, extra_args=(),
+                    fsdp_config: dict | None = None) -> runner.Request:
     """Several Trainer cells (dicts: name, model, gas, samples, average_tokens, lr, and for a user's
     configuration bs, clip, bf16) in one run, with or without DeepSpeed (``ds_config``: a user's resolved
     configuration instead of the scenario's); its result: {cell name: {variant: comparison + rank_status}}."""
@@ -81,7 +82,7 @@ def trainer_request(cells, *, nproc: int = 1, zero_stage: int | None = None, lr:
 
     return _cells_request(TRAINER_GAS, name, cells, interpret, nproc=nproc, zero_stage=zero_stage, lr=lr,
                           zerofix=zerofix, timeout=timeout, ds_config=ds_config,
-                          extra=(("--fsdp", str(fsdp)) if fsdp else ()) + tuple(extra_args))
+                          extra=(("--fsdp", str(fsdp)) if fsdp else ()) + tuple(extra_args), fsdp_config=fsdp_config)
 
 
 def trainer_cells(out_dir, cells, **options) -> dict:
@@ -138,9 +139,12 @@ def accelerate_cells(out_dir, cells, **options) -> dict:
 
 
 def _cells_request(module, name, cells, interpret, *, nproc, zero_stage, lr, zerofix, timeout, ds_config,
-                   extra=(), late=False) -> runner.Request:
+                   extra=(), late=False, fsdp_config=None) -> runner.Request:
     argv = ["--cells", "{out}/cells.json", "--lr", str(lr), "--zerofix", zerofix, *extra]
     files = {"cells.json": cells}
+    if fsdp_config is not None:
+        files["fsdp_config.json"] = fsdp_config
+        argv += ["--fsdp-config", "{out}/fsdp_config.json"]
     if zero_stage is not None:
         argv += ["--zero-stage", str(zero_stage)]
     if ds_config is not None:

@@ -12,6 +12,9 @@ from zerofix.check.accumulation import BF16_BOUND
 from zerofix.versions import installed_version, version_in_range
 
 TRAINER_FIXES = ("transformers-trainer-scaling",)
+MOE_FIXES = ("transformers-trainer-scaling", "transformers-moe-aux-loss")
+# accelerate's FSDP2 through the Trainer: measured from accelerate 1.10.1 (zerofix.check.fsdp_cpu on CPU)
+FSDP2_VERSIONS = (("accelerate", ">=1.10.1", "is older than the FSDP2 scenario (accelerate >= 1.10.1)"),)
 TRAINER_DS_FIXES = ("transformers-trainer-scaling", "deepspeed-scale-wrt-gas", "deepspeed-zero12-accumulator")
 DS_MANUAL_FIXES = ("deepspeed-manual-accumulation", "deepspeed-zero12-accumulator")
 # not deepspeed-scale-wrt-gas: it changes only a backward given scale_wrt_gas=False, which DeepSpeed's own loop
@@ -26,6 +29,7 @@ class Job(NamedTuple):
     min_ranks: int = 1  # skipped below this many ranks (DDP needs 2)
     versions: tuple[tuple[str, str, str], ...] = ()  # (dist, PEP 440 specifier, why) that must hold
     zero_stage: int | None = None  # trainer / accelerate jobs: through DeepSpeed with this stage
+    fsdp: int | None = None  # trainer jobs: through accelerate's FSDP of this version
 
 
 class Scenario(NamedTuple):
@@ -41,6 +45,7 @@ class Scenario(NamedTuple):
 JOBS = {job.name: job for job in (
     Job("trainer-1proc", ("transformers", "accelerate"), ranks="1"),
     Job("trainer-ddp", ("transformers", "accelerate"), min_ranks=2),
+    Job("trainer-fsdp2", ("transformers", "accelerate"), versions=FSDP2_VERSIONS, fsdp=2),
     Job("trainer-zero2", ("transformers", "accelerate", "deepspeed"), zero_stage=2),
     Job("trainer-zero3", ("transformers", "accelerate", "deepspeed"), zero_stage=3),
     Job("accelerate-ddp", ("transformers", "accelerate"), min_ranks=2),
@@ -67,6 +72,10 @@ SCENARIOS: tuple[Scenario, ...] = (
       for m, d in _MODELS.items()),
     *(Scenario(f"trainer-ddp-{m}", "trainer-ddp", f"Trainer, GAS=8, DDP, {d}", TRAINER_FIXES)
       for m, d in _MODELS.items()),
+    Scenario("trainer-1proc-moe", "trainer-1proc", "Trainer, GAS=8, 1 process, Mixtral MoE (router auxiliary loss)",
+             MOE_FIXES),
+    *(Scenario(f"trainer-fsdp2-{m}", "trainer-fsdp2", f"Trainer, GAS=8, FSDP2 (accelerate), {d}", TRAINER_FIXES)
+      for m, d in _MODELS.items() if m != "custom"),
     *(Scenario(f"trainer-zero{s}-{m}", f"trainer-zero{s}", f"Trainer, GAS=8, DeepSpeed ZeRO-{s}, {d}", TRAINER_DS_FIXES)
       for s in (2, 3) for m, d in _MODELS.items()),
     *(Scenario(f"accelerate-ddp-{m}", "accelerate-ddp", f"Accelerate accumulate(), GAS=4, DDP, {d}")
@@ -170,6 +179,41 @@ class UsageError(ValueError):
     pass
 
 
+# TrainingArguments.fsdp_config's keys (transformers 4.57 - 5.23, an "fsdp_" prefix allowed), for naming a typo
+FSDP_CONFIG_KEYS = ("version", "min_num_params", "transformer_layer_cls_to_wrap", "auto_wrap_policy",
+                    "backward_prefetch", "forward_prefetch", "limit_all_gathers", "use_orig_params",
+                    "sync_module_states", "cpu_ram_efficient_loading", "activation_checkpointing", "cpu_offload",
+                    "offload_params", "state_dict_type", "reshard_after_forward", "sharding_strategy", "xla",
+                    "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings")
+
+
+def fsdp_setup(path) -> dict:
+    """A user's fsdp_config file (``--fsdp-config``), checked: a JSON object of known keys, version 2. Raises
+    UsageError naming what is wrong (and, for an unknown key, the nearest known one)."""
+    import difflib
+    import json
+
+    try:
+        config = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise UsageError(f"--fsdp-config {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise UsageError(f"--fsdp-config {path}: not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"--fsdp-config {path}: a JSON object of fsdp_config keys is needed, not {type(config).__name__}")
+    for key in config:
+        bare = key[5:] if key.startswith("fsdp_") else key
+        if bare not in FSDP_CONFIG_KEYS:
+            near = difflib.get_close_matches(bare, FSDP_CONFIG_KEYS, n=1)
+            raise UsageError(f"--fsdp-config {path}: unknown key {key!r}"
+                             + (f" (did you mean {near[0]!r}?)" if near else f"; the keys are {', '.join(FSDP_CONFIG_KEYS)}"))
+    version = int(config.get("version", config.get("fsdp_version", 2)))
+    if version != 2:
+        raise UsageError(f"--fsdp-config {path}: version {version}: FSDP1 does not run on CPU (torch's device checks); "
+                         "the GPU tier measures it (tools/gpu_trainer_matrix.py)")
+    return {"fsdp_config": config}
+
+
 def select(*, only=None, skip=None, quick: bool = False, rows=None) -> list[Scenario]:
     """The scenarios to run, from ``rows`` (default: the built-in SCENARIOS). ``only`` / ``skip``: names or
     shell patterns (``deepspeed-*``); every pattern must match a scenario. ``only`` picks from every scenario;
@@ -205,7 +249,7 @@ class Plan(NamedTuple):
 
 
 def make(rows, nproc: int, found: dict, user: dict | None = None) -> Plan:
-    unreproducible = user["config"].unreproducible if user else ()
+    unreproducible = user["config"].unreproducible if user and "config" in user else ()
     skipped = {}
     for row in rows:
         reason = skip_reason(job(row.job), nproc, found, unreproducible)
