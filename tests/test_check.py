@@ -262,7 +262,9 @@ EXPECTED = {
     "latest": {**{n: "ok" for n in plan.NAMES},
                # a classifier: GAS x processes on every path
                **{f"trainer-{w}-seq-cls": "fixed by transformers-trainer-scaling"
-                  for w in ("1proc", "ddp", "zero2", "zero3")},
+                  for w in ("1proc", "ddp", "fsdp2", "zero2", "zero3")},
+               # the router auxiliary loss: GAS x (the cross-entropy is right)
+               "trainer-1proc-moe": "fixed by transformers-moe-aux-loss",
                **{f"deepspeed-zero{s}-{o}manual": MANUAL for s in (1, 2) for o in ("", "offload-")},
                "trl-sft-uneven-chunks": "skipped: trl 1.16.0 has no _chunked_cross_entropy_loss (1.4.0 - 1.14.x; "
                "from 1.15.0 chunked_nll is nll)", "trl-distill-uneven-chunks": NO_DISTILL_LOOP.format("1.16.0"),
@@ -277,7 +279,11 @@ EXPECTED = {
            for w in ("1proc", "ddp") for m in ("causal-lm", "custom")},
         # a classifier: right on one process (accelerate's second division is the one a mean needs), 2x on two
         # ranks, 8x through DeepSpeed (GAS x processes)
-        **{f"trainer-{w}-seq-cls": "fixed by transformers-trainer-scaling" for w in ("ddp", "zero2", "zero3")},
+        **{f"trainer-{w}-seq-cls": "fixed by transformers-trainer-scaling" for w in ("ddp", "fsdp2", "zero2", "zero3")},
+        # FSDP2 divides as DDP does: accelerate's second division on 5.3
+        "trainer-fsdp2-causal-lm": "fixed by transformers-trainer-scaling",
+        # the cross-entropy divided again by accelerate (the Trainer entry), the auxiliary term kept right
+        "trainer-1proc-moe": "fixed by transformers-trainer-scaling + transformers-moe-aux-loss",
         "accelerate-zero2-causal-lm": HOOK, "accelerate-zero2-custom": HOOK,
         **{f"deepspeed-zero{s}-{o}manual": MANUAL for s in (1, 2) for o in ("", "offload-")},
         "deepspeed-zero2-offload-own": "fixed by deepspeed-offload-accumulator",

@@ -507,3 +507,23 @@ def test_own_configuration_with_a_classifier_on_latest(tmp_path):
     assert verdicts(document) == {"trainer-seq-cls": "fixed by transformers-trainer-scaling"}
     row = document["scenarios"][0]
     assert row["unpatched"]["rel_err"] > 0.3 and row["patched"]["rel_err"] < 1e-4, row
+
+
+QWEN2_MOE = {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], "hidden_size": 2048,
+             "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 151936,
+             "num_experts": 60, "num_experts_per_tok": 4, "output_router_logits": True, "router_aux_loss_coef": 0.5}
+
+
+@pytest.mark.distributed
+@pytest.mark.stack("latest")
+def test_own_configuration_with_an_moe_model_on_latest(tmp_path):
+    """ZeRO-2 with the user's Qwen2-MoE (output_router_logits): one forward of the tiny model adds a router
+    auxiliary loss, so the Trainer row's reference weights it as in one big batch and transformers-moe-aux-loss
+    fixes the GAS x too heavy term (issue 40)."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_MOE))
+    document = check_json(tmp_path, "--deepspeed", write(tmp_path, "ds.json", {**ZERO2, "gradient_clipping": 0}),
+                          "--model", str(tmp_path / "config.json"), "--only", "trainer-causal-lm")
+    assert verdicts(document) == {"trainer-causal-lm": "fixed by transformers-moe-aux-loss"}
+    assert document["configuration"]["model"]["moe"] is True
+    row = document["scenarios"][0]
+    assert row["unpatched"]["rel_err"] > 0.05 and row["patched"]["rel_err"] < 1e-5, row

@@ -164,6 +164,17 @@ def loss_sum(kind: str, model: nn.Module, batch: dict) -> tuple[torch.Tensor, in
     return F.cross_entropy(logits, batch["labels"], reduction="sum"), int(batch["labels"].numel())
 
 
+@functools.lru_cache(maxsize=None)
+def loss_of(kind: str) -> str | None:
+    """"moe" for a kind whose loss adds a router auxiliary loss (``moe``, or an ``hf:`` MoE that says so)."""
+    if kind.startswith("hf:"):
+        import json
+        from pathlib import Path
+
+        return json.loads(Path(kind[3:]).read_text()).get("_zerofix_loss")
+    return "moe" if kind == "moe" else None
+
+
 def moe_losses(model: nn.Module, batch: dict) -> tuple[torch.Tensor, int, torch.Tensor]:
     """(sum of next-token cross-entropies, number of counted tokens, the router's auxiliary loss) of one
     micro-batch of a ``moe`` model."""

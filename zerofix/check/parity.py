@@ -18,6 +18,11 @@ def loss_mode_of(model: str, loss: str = "model") -> str:
     sequence-level head counts samples (token-mean over samples); a user's micro-batch mean is a batch-mean."""
     if loss in MEAN_LOSSES:
         return "batch-mean"
+    if model.startswith("hf:"):
+        from zerofix.check import models
+
+        if models.loss_of(model) == "moe":
+            return "moe"
     return LOSS_MODE.get(model, "token-mean")
 
 

@@ -135,7 +135,8 @@ def job(name: str) -> Job:
     return JOBS.get(name) or USER_JOBS[name]
 
 
-def user_scenarios(cfg, *, model_name: str | None = None, tied: bool = False, task: str = "token") -> list[Scenario]:
+def user_scenarios(cfg, *, model_name: str | None = None, tied: bool = False, task: str = "token",
+                   moe_model: bool = False) -> list[Scenario]:
     """The rows for a user's configuration ``cfg`` (a zerofix.check.userconfig.UserConfig). ``model_name``:
     the class of ``--model``'s tiny model (the Trainer and accelerate rows train it; without it, a tiny Llama
     and, for the Trainer, a custom module without loss kwargs); ``tied``: whether its head is tied; ``task``:
@@ -154,7 +155,9 @@ def user_scenarios(cfg, *, model_name: str | None = None, tied: bool = False, ta
         rows = [Scenario("trainer-seq-cls", "your-trainer", f"Trainer, your config, {model_name}",
                          TRAINER_DS_FIXES + engine, tolerance=tolerance)]
     else:
-        rows = [Scenario("trainer-causal-lm", "your-trainer", f"Trainer, your config, {lm}", TRAINER_DS_FIXES + engine,
+        moe = ("transformers-moe-aux-loss",) if moe_model else ()
+        rows = [Scenario("trainer-causal-lm", "your-trainer", f"Trainer, your config, {lm}"
+                         + (" (router auxiliary loss)" if moe_model else ""), TRAINER_DS_FIXES + moe + engine,
                          tolerance=tolerance)]
     if model_name is None:
         rows.append(Scenario("trainer-custom", "your-trainer", "Trainer, your config, custom module without loss kwargs",
@@ -292,7 +295,8 @@ def user_setup(deepspeed, *, nproc: int, workdir: Path, gas=None, bf16=False, fp
         model, described = usermodel.prepare(model_path, workdir / "model")
         tied = described["tied_head"]
     task = described["task"] if described else "token"
-    rows = user_scenarios(cfg, model_name=described and described["class"], tied=tied, task=task)
+    rows = user_scenarios(cfg, model_name=described and described["class"], tied=tied, task=task,
+                          moe_model=bool(described and described.get("moe")))
     return {"config": cfg, "model": model, "tied": tied, "described": described, "task": task,
             # None: the installed release's default, as the user's run gets it (the ranks' TrainingArguments say which)
             "average_tokens": cfg.average_tokens, "rows": rows}

@@ -143,11 +143,26 @@ def build(config: dict, seed: int = 0):
     for name, value in hf_config.to_dict().items():  # the class's defaults too (GPT-2: resid_pdrop=0.1)
         if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
             setattr(hf_config, name, 0.0)
+    if hasattr(hf_config, "_experts_implementation"):  # 5.x MoE: eager experts (its grouped-mm takes no float64)
+        hf_config._experts_implementation = "eager"
     model = cls(hf_config).float()
     if task_of_class(cls) == "sequence" and getattr(model.config, "pad_token_id", None) is None:
         # set after construction, as models.build_model does: the classifier pools the last token before padding
         model.config.pad_token_id = SPECIAL_TOKENS["pad_token_id"]
     return model
+
+
+def _adds_router_loss(model) -> bool:
+    """Whether the model's loss adds a router auxiliary loss (an MoE causal LM with output_router_logits): asked of
+    one forward with labels, not of the class."""
+    import torch
+
+    if not hasattr(model, "router_aux_loss_coef") or task_of_class(type(model)) != "token":
+        return False
+    ids = torch.randint(1, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=ids)
+    return getattr(out, "aux_loss", None) is not None
 
 
 def prepare(path, out_dir: Path) -> tuple[str, dict]:
@@ -161,11 +176,13 @@ def prepare(path, out_dir: Path) -> tuple[str, dict]:
     except Exception as exc:  # noqa: BLE001 - any failure of the class's own __init__ is the user's answer
         raise ConfigError(f"--model {path}: a tiny {config['model_type']} could not be built "
                           f"({type(exc).__name__}: {exc})") from None
+    if _adds_router_loss(model):
+        config["_zerofix_loss"] = "moe"  # the reference weights the router's auxiliary loss as one big batch
     out_dir.mkdir(parents=True, exist_ok=True)
     file = out_dir / "tiny-model-config.json"
     file.write_text(json.dumps(config, indent=1))
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     described = {"class": type(model).__name__, "model_type": config["model_type"], "tied_head": tied,
-                 "task": config.get("_zerofix_task", "token"),
+                 "task": config.get("_zerofix_task", "token"), "moe": config.get("_zerofix_loss") == "moe",
                  "parameters": sum(p.numel() for p in model.parameters()), "source": config["_zerofix_source"]}
     return f"hf:{file}", described
