@@ -295,8 +295,37 @@ def test_preflight_names_a_missing_compiler(monkeypatch):
     line = report.preflight(found, rows)
     assert line.startswith("pre-flight: no C++ compiler ($CXX=/nonexistent/c++ not found)")
     monkeypatch.delenv("CXX")
-    monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr("shutil.which", lambda name, path=None: f"/usr/bin/{name}")
+    monkeypatch.setattr(report, "_op_built", lambda where: True)
     assert report.preflight(found, rows) == "pre-flight: ok (C++ compiler /usr/bin/c++)"
+
+
+def test_preflight_names_a_missing_ninja_and_an_op_still_to_build(monkeypatch):
+    """Issue 42: without ninja every DeepSpeed row failed although the compiler was there; a first build sat
+    silent for about 100 s."""
+    rows = plan.select(only=["deepspeed-zero2-manual"])
+    found = {"torch": "2.13.0", "deepspeed": "0.19.8"}
+    monkeypatch.setattr("shutil.which", lambda name, path=None: None if name == "ninja" else f"/usr/bin/{name}")
+    line = report.preflight(found, rows)
+    assert "no ninja on the ranks' PATH" in line and "pip install ninja" in line, line
+    monkeypatch.setattr("shutil.which", lambda name, path=None: f"/usr/bin/{name}")
+    monkeypatch.setattr(report, "_op_built", lambda where: False)
+    assert "DeepSpeed's CPU op is not built yet: the first DeepSpeed run builds it" in report.preflight(found, rows)
+
+
+def test_the_ranks_and_the_prebuild_find_this_environments_ninja_first(monkeypatch):
+    """Issue 42: make (the environment's bin off PATH) and an activated environment used two ninjas, each
+    rebuilding the other's op. The ranks' PATH starts with the interpreter's own bin directory, whatever the
+    caller's PATH."""
+    import sys
+
+    from zerofix.check import launch
+
+    here = os.path.dirname(sys.executable)
+    for caller in ("/usr/local/bin:/usr/bin", f"/usr/bin:{here}", ""):
+        monkeypatch.setenv("PATH", caller)
+        path = launch.scenario_env()["PATH"].split(os.pathsep)
+        assert path[0] == here and path.count(here) == 1, path
 
 
 def test_advice_names_the_fixes_and_their_upstream_releases():

@@ -16,8 +16,10 @@ from zerofix.check.launch import scenario_env
 
 
 def main() -> int:
-    where = scenario_env()["TORCH_EXTENSIONS_DIR"]
-    os.environ.update(TORCH_EXTENSIONS_DIR=where, DS_ACCELERATOR="cpu")
+    env = scenario_env()
+    where = env["TORCH_EXTENSIONS_DIR"]
+    # the ranks' PATH too: the same ninja builds here as in the runs, or they would build again
+    os.environ.update(TORCH_EXTENSIONS_DIR=where, DS_ACCELERATOR="cpu", PATH=env["PATH"])
     try:
         from deepspeed.accelerator import get_accelerator
     except ImportError:

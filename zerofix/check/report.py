@@ -20,6 +20,12 @@ def user_header(user: dict) -> str:
     return "\n".join(lines)
 
 
+def _op_built(extensions_dir: str) -> bool:
+    import glob
+
+    return bool(glob.glob(os.path.join(extensions_dir, "deepspeed_shm_comm", "*.so")))
+
+
 def preflight(found: dict, rows) -> str:
     """One line: the prerequisites the selected scenarios need that are missing (torch for every one; a C++
     compiler for DeepSpeed, which builds its CPU communication op on first use; no lock left by an interrupted
@@ -45,7 +51,16 @@ def preflight(found: dict, rows) -> str:
     if needs_deepspeed and found.get("deepspeed"):
         from zerofix.check import jitlock, launch
 
-        problems += jitlock.clear_stale(launch.scenario_env()["TORCH_EXTENSIONS_DIR"])
+        env = launch.scenario_env()
+        ninja = shutil.which("ninja", path=env["PATH"])
+        if ninja is None:
+            problems.append("no ninja on the ranks' PATH: DeepSpeed builds its CPU communication op with it, so its "
+                            "scenarios will fail (pip install ninja in this environment, or apt-get install "
+                            "ninja-build)")
+        problems += jitlock.clear_stale(env["TORCH_EXTENSIONS_DIR"])
+        if ninja and not problems and not _op_built(env["TORCH_EXTENSIONS_DIR"]):
+            present.append("DeepSpeed's CPU op is not built yet: the first DeepSpeed run builds it, 30 - 120 s "
+                           "of both cores, once per environment")
     if problems:
         return "pre-flight: " + "; ".join(problems)
     return "pre-flight: ok" + (f" ({', '.join(present)})" if present else "")
