@@ -158,7 +158,7 @@ def stack(request):
 def run_python(code: str, *, env: dict | None = None, cwd=None, timeout: float = 120,
                check: bool = True, args=()) -> subprocess.CompletedProcess:
     """Run a snippet in a fresh interpreter (the one running the tests), ZEROFIX_* cleared unless given."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROFIX")}
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("ZEROFIX", "_ZEROFIX"))}
     full_env.update(env or {})
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=full_env, cwd=cwd,
                           capture_output=True, text=True, timeout=timeout)

@@ -75,7 +75,7 @@ def test_a_typo_in_an_optional_setting_warns_and_keeps_fixing(env, words):
         print(sorted(p._enabled) == sorted(__import__("zerofix").catalogue.default_ids()))
     """, env={"ZEROFIX": "1", **env})
     assert proc.stdout.strip().endswith("True"), proc.stdout + proc.stderr
-    assert proc.stderr.count("zerofix: warning:") == 1 and "patched nothing" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("zerofix: warning:") == 1 and "activated no fix" not in proc.stderr, proc.stderr
 
 
 def test_malformed_value_at_startup_warns_once_and_patches_nothing():
@@ -86,7 +86,18 @@ def test_malformed_value_at_startup_warns_once_and_patches_nothing():
     """, env={"ZEROFIX": "everything"})
     assert proc.stdout.strip() == "False"
     assert proc.stderr.count("zerofix: warning:") == 1, proc.stderr
-    assert "ZEROFIX='everything' is not valid" in proc.stderr and "patched nothing" in proc.stderr
+    assert "ZEROFIX='everything' is not valid" in proc.stderr and "the environment activated no fix" in proc.stderr
+
+
+def test_a_warning_is_said_once_per_process_tree(tmp_path):
+    """Issue 42: under zerofix run (the launcher's start-up, then the child's) and torchrun (every rank) the same
+    warning came once per process; it comes once, from the first process that reads the environment."""
+    proc = run_python("""
+        import subprocess, sys
+        subprocess.run([sys.executable, "-c", "pass"])
+        subprocess.run([sys.executable, "-c", "pass"])
+    """, env={"ZEROFIX": "1", "ZEROFIX_FIXES": "x"})
+    assert proc.stderr.count("ZEROFIX_FIXES is not a zerofix variable") == 1, proc.stderr
 
 
 def test_pth_file_is_installed_in_site_packages():
@@ -107,6 +118,8 @@ def test_regular_wheel_ships_the_pth_at_its_root(tmp_path):
     record = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("RECORD"))).decode()
     assert "zerofix-autopatch.pth" in names and "zerofix-autopatch.pth," in record
     assert "zerofix/_bootstrap/sitecustomize.py" in names
+    # issue 42: the metadata says Apache-2.0; the wheel carries the licence's text too
+    assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names), names
 
 
 def test_zerofix_run_activates_and_chains_an_existing_sitecustomize(tmp_path):
@@ -277,3 +290,14 @@ def test_a_folder_named_zerofix_beside_a_script_does_not_shadow_the_package(tmp_
     proc = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True,
                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert proc.returncode == 0 and proc.stdout.startswith("True"), proc.stderr[-2000:]
+
+
+def test_cli_version_and_a_reader_that_stops_early():
+    """Issue 42: `zerofix status --json | head` and `check --list | head` printed a BrokenPipeError traceback; no
+    --version existed."""
+    zerofix = [sys.executable, "-m", "zerofix"]
+    assert subprocess.run([*zerofix, "--version"], capture_output=True, text=True).stdout.startswith("zerofix ")
+    for argv in (["status", "--json"], ["check", "--list"]):
+        proc = subprocess.run(" ".join([*zerofix, *argv]) + " | head -c 1", shell=True, capture_output=True,
+                              text=True, executable="/bin/bash")
+        assert "BrokenPipeError" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -94,21 +94,34 @@ def read_environment(environ=None, *, default_on: bool = False) -> Settings:
 
 
 _warned = False
+# A warning said in this process is not said again by the processes it starts (a launcher's own start-up, then
+# torchrun's, then every rank's, all read the same environment): the keys said so far travel in this variable.
+SAID = "_ZEROFIX_SAID"
+
+
+def said_already(message: str) -> bool:
+    """Whether this process or one that started it already wrote ``message``; records it if not."""
+    import zlib
+
+    key = format(zlib.crc32(message.encode()), "08x")
+    said = os.environ.get(SAID, "").split(",")
+    if key in said:
+        return True
+    os.environ[SAID] = ",".join([k for k in said if k] + [key])
+    return False
 
 
 def _warn_once(message: str) -> None:
     global _warned
     if not _warned:
         _warned = True
-        sys.stderr.write(f"zerofix: warning: {message}; zerofix patched nothing.\n")
-
-
-_warned_settings: set[str] = set()
+        if not said_already(message):
+            sys.stderr.write(f"zerofix: warning: {message}; the environment activated no fix (an explicit "
+                             "zerofix.patch() still applies what it is given).\n")
 
 
 def _warn_setting(message: str) -> None:
-    if message not in _warned_settings:  # once per process, like _warn_once
-        _warned_settings.add(message)
+    if not said_already(message):  # once per process tree
         sys.stderr.write(f"zerofix: warning: {message}.\n")
 
 

@@ -142,6 +142,11 @@ def _run(args, parser) -> int:
     try:
         read_environment(env, default_on=True)
     except ConfigError as exc:  # the inherited ZEROFIX / ZEROFIX_DISABLE, not the flags (checked above)
+        from zerofix.activation import said_already
+
+        if said_already(str(exc)):  # this process's own start-up said it in full already
+            parser.error("the ZEROFIX* variable named in the warning above is not valid (set in the environment "
+                         "zerofix run inherits)")
         parser.error(f"{exc} (set in the environment zerofix run inherits)")
     try:
         os.execvpe(command[0], command, env)
@@ -162,6 +167,9 @@ DESCRIPTION = ("Numerically correct distributed training on the library versions
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zerofix", description=DESCRIPTION)
+    from zerofix import __version__
+
+    parser.add_argument("--version", action="version", version=f"zerofix {__version__}")
     sub = parser.add_subparsers(dest="cmd", metavar="{status,check,run,catalogue}")
     p = sub.add_parser("check", help="prove on the installed libraries that training steps are correct: tiny "
                                      "real runs, unpatched and patched, against a single-process reference")
@@ -198,6 +206,16 @@ def sub_parser(parser, name):
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # the reader went away (zerofix status --json | head): the rest of the output has nowhere to go
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def _main(argv=None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.cmd is None:

@@ -26,7 +26,7 @@ def scenario_env(extra: dict | None = None) -> dict:
     """A quiet, offline, CPU-only environment with one thread per rank (2 cores, 2 ranks); only
     ``extra`` may set ZEROFIX* variables."""
     # A ZEROFIX* variable of the caller's shell must not decide what the "unpatched" run means.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROFIX")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZEROFIX", "_ZEROFIX"))}
     env.update({
         "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
