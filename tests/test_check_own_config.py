@@ -556,3 +556,33 @@ def test_own_configuration_with_an_moe_model_on_latest(tmp_path):
     assert document["configuration"]["model"]["moe"] is True
     row = document["scenarios"][0]
     assert row["unpatched"]["rel_err"] > 0.05 and row["patched"]["rel_err"] < 1e-5, row
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"zero_optimisation": {"stage": 2}}, "unknown key 'zero_optimisation' (did you mean 'zero_optimization'?)"),
+    ({"zero_optimization": {"stage": 2, "overlap_coom": True}},
+     "unknown key zero_optimization.'overlap_coom' (did you mean 'overlap_comm'?): DeepSpeed refuses it"),
+])
+def test_a_misspelt_deepspeed_key_is_named_before_anything_runs(tmp_path, capsys, config, message):
+    """Issue 42: a misspelt top-level key made the check certify a ZeRO-0 run; a misspelt ZeRO key became a
+    WRONG row. Both are usage errors now (exit 2), naming the nearest key DeepSpeed knows."""
+    pytest.importorskip("deepspeed")
+    from zerofix import cli
+
+    path = write(tmp_path, "ds.json", config)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["check", "--deepspeed", path])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_every_configuration_the_project_uses_has_only_known_keys():
+    pytest.importorskip("deepspeed")
+    from zerofix.check import userconfig
+
+    for config in (ZERO2, {**ZERO2, "zero_optimization": {**ZERO2["zero_optimization"], "stage": 3,
+                                                          "stage3_param_persistence_threshold": 0,
+                                                          "offload_optimizer": {"device": "cpu"}}},
+                   {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}, "sparse_gradients": False,
+                    "zero_allow_untested_optimizer": True, "steps_per_print": 10, "wall_clock_breakdown": False,
+                    "gradient_clipping": 0, "zero_force_ds_cpu_optimizer": False, "communication_data_type": "fp32"}):
+        assert userconfig.unknown_keys(config) == [], config

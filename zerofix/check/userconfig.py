@@ -61,6 +61,64 @@ class UserConfig(NamedTuple):
         return ", ".join(parts)
 
 
+# Keys DeepSpeed reads that no source file of it spells as a string literal (it builds them from parts)
+_MORE_KEYS = ("compile", "timers", "weight_quantization", "fp8")
+
+
+def _deepspeed_words() -> frozenset:
+    """The lower-case identifiers DeepSpeed's configuration code spells as string literals: the keys it reads."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or not spec.submodule_search_locations:
+        return frozenset()
+    root = Path(next(iter(spec.submodule_search_locations)))
+    words = set(_MORE_KEYS)
+    for file in [*root.glob("*.py"), *root.glob("runtime/*.py"), *root.glob("runtime/*/*.py"),
+                 *root.glob("monitor/*.py"), *root.glob("profiling/*.py"), *root.glob("comm/*.py")]:
+        try:
+            words.update(re.findall(r"[\"']([a-z][a-z0-9_]{2,})[\"']", file.read_text(errors="ignore")))
+        except OSError:
+            continue
+    return frozenset(words)
+
+
+def _zero_fields() -> frozenset:
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the check runs on CPU; named, DeepSpeed does not warn
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    except Exception:  # noqa: BLE001 - no DeepSpeed, or one that cannot be imported here: DeepSpeed will say
+        return frozenset()
+    fields = getattr(DeepSpeedZeroConfig, "model_fields", None) or getattr(DeepSpeedZeroConfig, "__fields__", {})
+    return frozenset(fields) | {getattr(f, "alias", None) for f in fields.values()} - {None}
+
+
+def unknown_keys(ds: dict) -> list[str]:
+    """A key DeepSpeed would ignore or refuse, named with the nearest key it knows (issue 42): a top-level key
+    that is a near miss of one DeepSpeed reads (it ignores those silently: "zero_optimisation" left the check
+    certifying a ZeRO-0 run), and a ``zero_optimization`` key its configuration model forbids."""
+    import difflib
+
+    problems = []
+    known = _deepspeed_words()
+    for key in ds if known else ():
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=1, cutoff=0.85)
+            if near:
+                problems.append(f"unknown key {key!r} (did you mean {near[0]!r}?): DeepSpeed would ignore it")
+    zero = ds.get("zero_optimization")
+    fields = _zero_fields() if isinstance(zero, dict) else frozenset()
+    for key in zero if fields else ():
+        if key not in fields:
+            near = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
+            problems.append(f"unknown key zero_optimization.{key!r}"
+                            + (f" (did you mean {near[0]!r}?)" if near else "") + ": DeepSpeed refuses it")
+    return problems
+
+
 def _read_json(path, option: str) -> dict:
     file = Path(path)
     if not file.is_file():
@@ -103,6 +161,9 @@ def load(path, *, gas: int | None = None, nproc: int = 2, bf16: bool = False, fp
     """Read and resolve ``path`` (a DeepSpeed JSON config) for a run on ``nproc`` ranks. ``gas``, ``bf16`` and
     ``fp16`` are the command line's; ``trainer_args``: a TrainingArguments JSON file. Raises ConfigError."""
     raw = _read_json(path, "--deepspeed")
+    misspelt = unknown_keys(raw)
+    if misspelt:
+        raise ConfigError(f"--deepspeed {path}: " + "; ".join(misspelt))
     args = trainer_arguments(trainer_args) if trainer_args else {}
     ds = copy.deepcopy(raw)
     notes, unreproducible = [], []
