@@ -301,3 +301,32 @@ def test_cli_version_and_a_reader_that_stops_early():
         proc = subprocess.run(" ".join([*zerofix, *argv]) + " | head -c 1", shell=True, capture_output=True,
                               text=True, executable="/bin/bash")
         assert "BrokenPipeError" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_status_reads_one_fix_a_line():
+    """Issue 42: zerofix.status() printed as one 4 KB line."""
+    import zerofix
+
+    records = zerofix.status()
+    lines = repr(records).splitlines()
+    assert len(lines) == len(records) and all(len(line) < 120 for line in lines)
+    assert lines[0].startswith(records[0].id + ": ") and isinstance(records, list)
+
+
+@pytest.mark.slow
+@pytest.mark.stack("2026-04")
+def test_status_apply_imports_only_the_targets_of_fixes_in_range():
+    """Issue 42: on trl 1.5.1 `zerofix status --apply` tried trl.trainer.distillation_trainer (1.10 - 1.14's)."""
+    proc = subprocess.run([sys.executable, "-m", "zerofix", "status", "--apply"], capture_output=True, text=True,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=300)
+    assert proc.returncode == 0 and "could not import" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.stack("latest")
+def test_list_says_which_rows_a_run_would_skip(capsys):
+    """Issue 42: --list listed rows a run skips without saying so (--fp16 on CPU; here trl 1.16's distillation)."""
+    from zerofix import cli
+
+    assert cli.main(["check", "--list", "--only", "trl-distill-uneven-chunks,trainer-1proc-moe"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "[skipped: trl 1.16.0 has no chunked divergence loop" in out[1] and "[skipped" not in out[0], out

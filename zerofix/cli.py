@@ -19,12 +19,15 @@ def _status(args) -> int:
         # Show what patch() really does here: enable, then import every target module.
         patching.patch()
         for fix in catalogue.FIXES:
+            installed = installed_version(fix.dist)
+            # only the fixes in range: a target module of another release may not exist in this one (issue 42)
+            if installed is None or not patching.version_in_range(installed, fix.affected):
+                continue
             for module in fix.modules:
-                if installed_version(fix.dist) is not None:
-                    try:
-                        importlib.import_module(module)
-                    except Exception as exc:  # noqa: BLE001 - reported as the fix's failure
-                        sys.stderr.write(f"zerofix: could not import {module}: {exc!r}\n")
+                try:
+                    importlib.import_module(module)
+                except Exception as exc:  # noqa: BLE001 - reported as the fix's failure
+                    sys.stderr.write(f"zerofix: could not import {module}: {exc!r}\n")
     records = patching.status()
     if args.json:
         print(json.dumps([r.to_dict() for r in records], indent=2))

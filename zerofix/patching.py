@@ -304,6 +304,13 @@ def _disable(fix_id: str) -> None:
 
 
 # ----------------------------------------------------------------------------- status
+class Status(list):
+    """status()'s records: a list, shown one fix a line (its repr was one 4 KB line; issue 42)."""
+
+    def __repr__(self) -> str:
+        return "\n".join(f"{r.id}: {r.state} ({r.dist} {r.installed or '-'})" for r in self)
+
+
 def status() -> list[Record]:
     """One record per catalogue entry. Version facts are computed here, lazily, so that patch() at
     interpreter start-up costs no metadata lookup."""
@@ -330,7 +337,7 @@ def status() -> list[Record]:
                     record = record._replace(reason=f"{record.reason}; not covered: {', '.join(declined)} (stood "
                                              "aside there, upstream's behaviour unchanged)")
             out.append(record)
-    return out
+    return Status(out)
 
 
 is_applied = applied.is_applied

@@ -176,11 +176,12 @@ def _user(args, nproc: int, workdir: Path) -> dict:
 def _list(args, parser) -> int:
     """The rows a run with these arguments would train: the built-in scenarios, or with --deepspeed the rows for
     that configuration (its --model built, so a classifier lists its own Trainer row)."""
-    rows = plan.SCENARIOS
+    rows, user = plan.SCENARIOS, None
     if args.deepspeed:
         workdir = Path(tempfile.mkdtemp(prefix="zerofix-check-list-"))
         try:
-            rows = _user(args, args.nproc or 2, workdir)["rows"]
+            user = _user(args, args.nproc or 2, workdir)
+            rows = user["rows"]
         except userconfig.ConfigError as exc:
             parser.error(str(exc))
         finally:
@@ -192,9 +193,13 @@ def _list(args, parser) -> int:
                                                rows=rows)}
     except plan.UsageError as exc:
         parser.error(str(exc))
+    # what a run would skip says so here too (issue 42: --fp16 --list listed rows it skips on CPU)
+    skipped = plan.make([r for r in rows if r.name in chosen], args.nproc or (1 if args.quick else 2), versions(),
+                        user).skipped
     for s in rows:
         if s.name in chosen:
-            print(f"{s.name:<28} {s.title}{'  [quick]' if s.quick else ''}")
+            note = f"  [skipped: {skipped[s.name]}]" if s.name in skipped else ("  [quick]" if s.quick else "")
+            print(f"{s.name:<28} {s.title}{note}")
     return 0
 
 
