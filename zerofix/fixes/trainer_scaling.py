@@ -8,47 +8,49 @@ DeepSpeed divide a per-window loss again (#35808), 5.2.0-5.5.3 let accelerate di
 every release from 4.46 skips the division for a head that takes ``**kwargs`` but returns a plain mean
 (sequence classification, ...; #47688 open) and multiplies it by the number of processes.
 
-One mechanism (the rule is ``zerofix.scaling``, plain code):
+One mechanism (the rule is ``zerofix.scaling``, plain code), on the paths it models (``zerofix.paths``: one process,
+DDP, DeepSpeed ZeRO-0..3, FSDP1, FSDP2; elsewhere it stands aside and says "not covered: <path>"):
 
-- ``training_step`` opens a step on the trainer's accelerator; until the trainer has a verdict it hands the
-  Trainer a *watched* ``num_items_in_batch`` (``zerofix.num_items_watch``): the loss's value is bitwise the
-  same, and whether computing it read the count at all is measured on the real call, no extra forward;
+- ``training_step`` opens a step on the trainer's accelerator and hands the Trainer a *watched*
+  ``num_items_in_batch`` (``zerofix.num_items_watch``), at every step: the count is followed through every
+  operation, the loss's value is bitwise the same, no extra forward;
 - ``compute_loss`` (the base Trainer's) records that it ran, so its multiplication by the number of
   processes is known to have happened;
 - ``get_batch_samples`` records the window's real length;
-- ``backward`` (Accelerator.backward) asks ``scaling.plan`` what the path does to this loss against what it
-  needs, and changes nothing where they agree. Otherwise it switches a second division off (accelerate's
-  divisor 1, ``scale_wrt_gas=False``: what upstream's own fixes do) and puts the rest on the loss.
+- ``backward`` (Accelerator.backward) takes this step's verdict (was the loss it receives computed from the count?),
+  hands the engine the plain loss, asks ``scaling.plan`` what the path does to this loss against what it needs, and
+  changes nothing where they agree. Otherwise it switches a second division off (accelerate's divisor 1,
+  ``scale_wrt_gas=False``: what upstream's own fixes do) and puts the rest on the loss.
 
-The verdict: a loss the Trainer believes per window, with no explicit statement, whose computation never
-read ``num_items_in_batch`` is a micro-batch mean. Explicit statements win over the measurement: the
-Trainer's ``loss_is_scaled_for_ga`` (transformers >= 5.19, TRL's trainers on any release), a non-callable
+The verdict: a loss the Trainer believes per window, with no explicit statement, that was not computed from
+``num_items_in_batch`` is a micro-batch mean (said at WARNING once a run where zerofix rescales it: a user's own
+division by GAS cannot be told apart). Explicit statements win over the verdict: ``zerofix.loss_is_scaled_for_ga``,
+the Trainer's ``loss_is_scaled_for_ga`` (transformers >= 5.19, TRL's trainers on any release), a non-callable
 ``compute_loss_func`` (TRL's marker for it before 5.19), ``accepts_loss_kwargs`` on the model, and a
-``model_accepts_loss_kwargs`` set on the trainer against its forward's signature. The measurement only ever
-turns "per window" into "mean", never the reverse: a loss the Trainer divides is left to the Trainer.
+``model_accepts_loss_kwargs`` set on the trainer against its forward's signature. The verdict only ever turns "per
+window" into "mean", never the reverse: a loss the Trainer divides is left to the Trainer. What the trainer's model
+and arguments say is read again at every ``train()``.
 
 Ambiguity list (docs/fixes.md), each usage with the test that shows it left alone:
-- a loss normalised by ``num_items_in_batch`` (every causal LM head, TRL 1.16's GKD): it reads the count, so the
-  Trainer's own path runs; bitwise the unpatched weights wherever that path is right (the causal-lm cells of
-  tests/test_trainer_scaling.py, tests/test_trl_trainer_scaling.py);
-- a loss that reads the count for something else (a metric): counts as normalised, as upstream
-  (tests/test_num_items_watch.py);
-- an explicit statement (``loss_is_scaled_for_ga``, TRL's markers, ``accepts_loss_kwargs``, a
-  ``model_accepts_loss_kwargs`` set against the signature): followed, never measured (RewardTrainer in
-  tests/test_trl_trainer_scaling.py, tests/test_scaling.py);
-- a loss the Trainer divides itself (it believes a mean): left to the Trainer even if it read the count
+- a loss normalised by ``num_items_in_batch`` (every causal LM, TRL 1.16's GKD, zerofix's own chunked loss): it is
+  computed from the count, so the Trainer's own path runs; bitwise the unpatched weights wherever that path is right
+  (tests/test_trainer_scaling.py, tests/test_trainer_fsdp.py, tests/test_trl_trainer_scaling.py);
+- a count that only leaves as a Python number, a log entry or a dropped copy (device hooks, FSDP's casts): no
+  normalisation (tests/test_num_items_watch.py, tests/test_trainer_scaling_rows.py); a loss divided by such a
+  Python number cannot be followed: a mean, and the WARNING says the count was read as a number;
+- an explicit statement: followed, never measured (RewardTrainer in tests/test_trl_trainer_scaling.py,
+  tests/test_scaling.py, tests/test_trainer_scaling_unit.py);
+- a loss the Trainer divides itself (it believes a mean): left to the Trainer even if computed from the count
   (tests/test_scaling.py); a head the release scales right (BERT without ``**kwargs`` on 4.48/4.57, a classifier
   on one process of 5.3 where accelerate's second division is the one a mean needs): bitwise
-  (tests/test_trainer_scaling.py);
+  (tests/test_trainer_scaling.py, tests/test_trainer_fsdp.py);
 - a batch without ``labels`` (question answering): no count, so nothing normalised the loss; 4.48-4.53 skip the
-  division for a loss-kwargs model anyway, zerofix divides as 4.54 does (tests/test_scaling.py; a ``compute_loss``
-  normalising such a batch by its own count must state it, below);
-- a ``compute_loss`` that normalises per window by its own count without reading ``num_items_in_batch`` and
-  without a statement: indistinguishable from a micro-batch mean, treated as one (upstream documents
-  ``loss_is_scaled_for_ga`` / ``model_accepts_loss_kwargs = False`` for exactly this: state it);
-- transformers 4.46-4.48 pass the count as an int, which cannot be watched: for the first step only, the
-  Trainer's count is handed on as a 0-dim int64 tensor (same value, bitwise the same division;
-  tests/test_num_items_watch.py, and the 2024-11/2025-01 cells);
+  division for a loss-kwargs model anyway, zerofix divides as 4.54 does (tests/test_scaling.py);
+- a ``compute_loss`` that divides by GAS itself, or normalises per window by its own count, without a statement:
+  indistinguishable from a micro-batch mean, treated as one and said at WARNING with the statement that stops it
+  (tests/test_trainer_scaling_rows.py);
+- transformers 4.46-4.48 pass the count as an int, which cannot be followed: it is handed on as a 0-dim int64 tensor
+  (same value, bitwise the same division; tests/test_num_items_watch.py, and the 2024-11/2025-01 cells);
 - a model under torch.compile (``torch_compile=True``, or a compiled module): not watched, since a watched tensor
   takes the step out of the compiled graph; the Trainer's belief is followed and a warning says so
   (tests/test_trainer_scaling_unit.py);
