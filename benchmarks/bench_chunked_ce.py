@@ -2,6 +2,7 @@
 
     python benchmarks/bench_chunked_ce.py            # N=8192, H=1024, V=32000, float32 (the issue's size)
     python benchmarks/bench_chunked_ce.py --quick    # N=2048, H=512, V=8000
+    python benchmarks/bench_chunked_ce.py --device cuda   # the GPU table (issue 41): see cuda_table()
 
 Variants (each run in a fresh process, ``--repeats`` times, medians reported):
 - ``plain``: ``F.cross_entropy(h @ W.T, y)``, the full N x V logits;
@@ -133,8 +134,109 @@ def child(variant: str, size: str, liger_path: str | None) -> dict:
             "loss_rel_err": abs(float(loss) - float(ref)) / abs(float(ref)), "grad_w_rel_err": rel_w}
 
 
+# The GPU table's sizes (issue 41): the H200 measurement's four rows.
+CUDA_SIZES = ((8192, 4096, 128256, "bf16"), (32768, 4096, 151936, "bf16"), (8192, 4096, 32000, "bf16"),
+              (8192, 4096, 128256, "fp32"))
+
+
+def cuda_variants() -> dict:
+    """plain, zerofix, and Liger-Kernel's Triton fused linear cross-entropy and cut-cross-entropy where installed:
+    name -> f(hidden, weight, labels) returning the mean loss over the counted tokens."""
+    import torch.nn.functional as F
+
+    import zerofix
+
+    out = {"plain": lambda h, w, y: F.cross_entropy((h @ w.t()).float(), y, ignore_index=-100),
+           "zerofix": lambda h, w, y: zerofix.chunked_cross_entropy(h, w, y)}
+    if importlib.util.find_spec("liger_kernel") is not None:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
+        out["liger"] = lambda h, w, y: liger(w, h, y)
+    if importlib.util.find_spec("cut_cross_entropy") is not None:
+        from cut_cross_entropy import linear_cross_entropy
+
+        out["cce"] = lambda h, w, y: linear_cross_entropy(h, w, y, ignore_index=-100)
+    return out
+
+
+def cuda_inputs(n, hdim, v, dtype, seed=0):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = (torch.randn(n, hdim, generator=g, device="cuda") * 0.5).to(dtype).requires_grad_()
+    weight = (torch.randn(v, hdim, generator=g, device="cuda") / hdim**0.5).to(dtype).requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g, device="cuda")
+    labels[torch.rand(n, generator=g, device="cuda") < 0.1] = -100
+    return hidden, weight, labels
+
+
+def cuda_measure(fn, hidden, weight, labels, repeats: int = 10, warmup: int = 3) -> dict:
+    """Median forward+backward time (CUDA events) and the peak allocated over the inputs (both gradients in)."""
+    import torch
+
+    times = []
+    for i in range(warmup + repeats):
+        hidden.grad = weight.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(hidden, weight, labels).backward()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return {"ms": statistics.median(times), "peak_mib": peak}
+
+
+def cuda_parity(fn, dtype) -> float:
+    """Loss relative error against float64 at N=1024, H=512, V=32000 (the issue's parity size)."""
+    import torch
+    import torch.nn.functional as F
+
+    hidden, weight, labels = cuda_inputs(1024, 512, 32000, dtype, seed=3)
+    loss = fn(hidden, weight, labels)
+    ref = F.cross_entropy(hidden.double() @ weight.double().t(), labels, ignore_index=-100)
+    return abs(float(loss.double()) - float(ref)) / abs(float(ref))
+
+
+def cuda_table(repeats: int, json_path: str | None) -> None:
+    import torch
+
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    variants = cuda_variants()
+    print(f"LM-head cross-entropy forward+backward on {torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
+          f"CUDA events, median of {repeats} after 3 warm-ups; peak = max_memory_allocated growth over the inputs")
+    rows = []
+    for n, hdim, v, dt in CUDA_SIZES:
+        hidden, weight, labels = cuda_inputs(n, hdim, v, dtypes[dt])
+        for name, fn in variants.items():
+            try:
+                result = cuda_measure(fn, hidden, weight, labels, repeats)
+                result["parity"] = cuda_parity(fn, dtypes[dt])
+            except Exception as exc:  # noqa: BLE001 - a variant that cannot run this size says why
+                result = {"error": f"{type(exc).__name__}: {str(exc)[:80]}"}
+            rows.append({"n": n, "h": hdim, "v": v, "dtype": dt, "variant": name, **result})
+        del hidden, weight, labels
+        torch.cuda.empty_cache()
+    print(f"{'N, H, V, dtype':<26} {'variant':<8} {'ms':>8} {'peak MiB':>9} {'loss rel err (f64)':>19}")
+    for r in rows:
+        where = f"{r['n']}, {r['h']}, {r['v']}, {r['dtype']}"
+        if "error" in r:
+            print(f"{where:<26} {r['variant']:<8} {r['error']}")
+        else:
+            print(f"{where:<26} {r['variant']:<8} {r['ms']:>8.1f} {r['peak_mib']:>9.0f} {r['parity']:>19.1e}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: plain, zerofix, Liger-Kernel and cut-cross-entropy in one process (cuda_table)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", default="plain,trl,liger,zerofix")
@@ -143,6 +245,14 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("bench_chunked_ce: --device cuda needs a CUDA device; the GPU figures are measured on a GPU "
+                     "machine only (docs/benchmarks.md)")
+        cuda_table(10 if args.repeats == 3 else args.repeats, args.json)
+        return
     size = "quick" if args.quick else "full"
     if args.child:
         print(json.dumps(child(args.child, size, args.liger)))

@@ -39,3 +39,33 @@ def test_the_table_names_each_verdict():
     m = matrix()
     assert [m.verdict(1, 1, True, True), m.verdict(4, 1, False, True), m.verdict(1, 4, True, False),
             m.verdict(4, 4, False, False)] == ["right (unchanged)", "fixed", "HARMED", "STILL WRONG"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_chunked_cross_entropy_parity_on_cuda(dtype):
+    """Issue 41: on CUDA the chunked loss runs its GEMMs in the input dtype with float32 accumulation; its loss
+    is float32 and within 2x plain's error against float64, its gradients as good as plain's."""
+    import torch.nn.functional as F
+
+    from zerofix import chunked_cross_entropy
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h64 = torch.randn(1024, 512, generator=g, device="cuda", dtype=torch.float64) * 0.5
+    w64 = torch.randn(32000, 512, generator=g, device="cuda", dtype=torch.float64) / 512**0.5
+    y = torch.randint(0, 32000, (1024,), generator=g, device="cuda")
+    y[::10] = -100
+    hq, wq = h64.to(dt).double().requires_grad_(), w64.to(dt).double().requires_grad_()
+    ref = F.cross_entropy(hq @ wq.t(), y, ignore_index=-100)
+    ref.backward()
+    errors = {}
+    for name, fn in (("plain", lambda h, w: F.cross_entropy((h @ w.t()).float(), y, ignore_index=-100)),
+                     ("zerofix", lambda h, w: chunked_cross_entropy(h, w, y))):
+        h, w = h64.to(dt).requires_grad_(), w64.to(dt).requires_grad_()
+        loss = fn(h, w)
+        loss.backward()
+        errors[name] = (abs(float(loss) - float(ref)) / float(ref), loss.dtype,
+                        float((w.grad.double() - wq.grad).norm() / wq.grad.norm()))
+    assert errors["zerofix"][1] == torch.float32, errors
+    assert errors["zerofix"][0] <= 2 * errors["plain"][0] + 1e-7, errors
+    assert errors["zerofix"][2] <= 2 * errors["plain"][2] + 1e-4, errors
