@@ -330,3 +330,12 @@ def test_list_says_which_rows_a_run_would_skip(capsys):
     assert cli.main(["check", "--list", "--only", "trl-distill-uneven-chunks,trainer-1proc-moe"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "[skipped: trl 1.16.0 has no chunked divergence loop" in out[1] and "[skipped" not in out[0], out
+
+
+@pytest.mark.stack("2026-04")
+def test_the_readmes_status_example_is_what_the_tool_prints():
+    """Issue 42: the README's `zerofix status` answer for 2026-04 listed 8 bugs where the tool printed 10."""
+    proc = subprocess.run([sys.executable, "-m", "zerofix", "status"], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if not k.startswith(("ZEROFIX", "_ZEROFIX"))})
+    answer = proc.stdout.strip().splitlines()[-1]
+    assert answer in (ROOT / "README.md").read_text(), answer
