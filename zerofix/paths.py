@@ -67,8 +67,8 @@ def _deepspeed_layout(config: dict) -> str | None:
     """Tensor or sequence parallelism in a DeepSpeed configuration, or None."""
     if not isinstance(config, dict):
         return None
-    autotp = int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1) if isinstance(
-        config.get("tensor_parallel"), dict) else 1
+    tp = config.get("tensor_parallel")
+    autotp = int(tp.get("autotp_size", 1) or 1) if isinstance(tp, dict) else 1
     if autotp > 1:
         return f"DeepSpeed AutoTP tensor parallel (autotp_size={autotp})"
     sp = int(config.get("sequence_parallel_size", 1) or 1)
