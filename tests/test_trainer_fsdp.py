@@ -38,7 +38,13 @@ def fsdp_cells() -> list[dict]:
     return cells
 
 
+# 5.0 and 4.57: two ranks only, for CI time (one rank measured equal to latest's there)
+TWO_RANKS_ONLY = ("2025-12", "2025-10")
+
+
 def fsdp_requests(stack, nproc):
+    if stack in TWO_RANKS_ONLY and nproc == 1:
+        return []
     return [parity.trainer_request(fsdp_cells(), nproc=nproc, fsdp=2, name="trainer-fsdp2")]
 
 
@@ -46,6 +52,8 @@ def fsdp_requests(stack, nproc):
 @pytest.mark.parametrize("nproc", [1, 2], ids=["1rank", "2rank"])
 @uses(fsdp_requests)
 def test_the_trainer_on_fsdp2_divides_exactly_once(ranks, stack, nproc):
+    if not fsdp_requests(stack, nproc):
+        pytest.skip("two ranks on this stack (TWO_RANKS_ONLY)")
     results = ranks.result(*fsdp_requests(stack, nproc))
     for cell in fsdp_cells():
         bug, fixed = results[cell["name"]]["unpatched"], results[cell["name"]]["patched"]
