@@ -343,6 +343,7 @@ SUBSETS = {
     "2024-11": ("trainer-1proc-*,trainer-zero3-*", {
         "trainer-1proc-causal-lm": "ok", "trainer-1proc-custom": "fixed by transformers-trainer-scaling",
         "trainer-1proc-seq-cls": "fixed by transformers-trainer-scaling",
+        "trainer-1proc-moe": "fixed by transformers-moe-aux-loss",  # 4.46: the router term GAS x
         "trainer-zero3-causal-lm": "fixed by transformers-trainer-scaling", "trainer-zero3-custom": "ok",
         "trainer-zero3-seq-cls": "ok"}),
 }
