@@ -198,3 +198,14 @@ def test_every_docs_link_resolves():
         if path.suffix in (".py", ".txt"):
             for target in re.findall(r"docs/[\w.-]+\.md", path.read_text(errors="ignore")):
                 assert (ROOT / target).exists(), (path.name, target)
+
+
+def test_the_changelog_has_one_section_of_each_kind_per_release():
+    """Keep a Changelog: under a release heading, one Added, one Changed, one Fixed ... (issue 42 found Unreleased
+    with several of each, appended by successive changes)."""
+    import re
+
+    text = (ROOT / "CHANGELOG.md").read_text()
+    for release in re.split(r"^## ", text, flags=re.M)[1:]:
+        kinds = re.findall(r"^### (\w+)", release, flags=re.M)
+        assert len(kinds) == len(set(kinds)), (release.splitlines()[0], kinds)
