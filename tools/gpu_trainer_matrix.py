@@ -1,12 +1,14 @@
 """The GPU tier's table: the Trainer x {no engine, FSDP1, FSDP2, ZeRO-2, ZeRO-3} x {bf16, fp16} x {classifier,
-causal LM}, unpatched and patched, each against the float64 single-process reference (issue 39, item 4).
+causal LM, MoE}, unpatched and patched, each against the float64 single-process reference (issue 39, item 4).
 
-    python tools/gpu_trainer_matrix.py [--nproc N] [--json FILE]
+    python tools/gpu_trainer_matrix.py [--nproc N] [--jobs J] [--engines none,fsdp2] [--dtypes bf16] [--json FILE]
 
 Needs CUDA (exits 2 without it); DeepSpeed rows need deepspeed installed. One scenario run per engine and dtype
 (``zerofix.check.scenarios.trainer_gas --cuda``), GAS=4 x batch 2, one SGD step. Prints one row per cell:
 the update / reference ratio unpatched and patched, and the verdict (fixed, unchanged-right, harmed, still
-wrong). tests/test_gpu.py runs it and fails on any row that is not right patched.
+wrong). A row whose weights did not train on the GPU is an error (a Trainer without a visible GPU falls back to
+the CPU silently). tests/test_gpu.py runs it and fails on any row that is not right patched. ``--jobs``: that many
+engine x dtype runs at once (one GPU holds dozens of these tiny runs).
 """
 from __future__ import annotations
 
@@ -14,14 +16,37 @@ import argparse
 import importlib.util
 import json
 import sys
+import dataclasses
 import tempfile
+import threading
 from pathlib import Path
 
 ENGINES = {"none": {}, "fsdp1": {"fsdp": 1}, "fsdp2": {"fsdp": 2}, "zero2": {"zero_stage": 2},
            "zero3": {"zero_stage": 3}}
 CELLS = [{"name": "cls", "model": "seq-cls-llama", "gas": 4, "lr": 2.0, "head": True},
-         {"name": "lm", "model": "causal-lm", "gas": 4, "lr": 5.0}]
-TOLERANCE = {"bf16": 0.03, "fp16": 0.01}  # relative error of a half-precision update against float64
+         {"name": "lm", "model": "causal-lm", "gas": 4, "lr": 5.0},
+         {"name": "moe", "model": "moe", "gas": 4, "lr": 2.0}]
+# relative error of the update against float64; fp32 is no GPU case of its own: it is what a CPU run of this table
+# can train (transformers refuses bf16/fp16 without a GPU), so tests/test_gpu_tier_cpu.py asserts the device check
+TOLERANCE = {"bf16": 0.03, "fp16": 0.01, "fp32": 1e-4}
+
+
+# The runs go at once (``--jobs``), each on its own processes; reading their results (transformers' lazy imports, the
+# float64 reference) happens in this process, one run at a time: both are shared state.
+_READING = threading.Lock()
+
+
+def _one_at_a_time(interpret):
+    def locked(*args):
+        with _READING:
+            return interpret(*args)
+
+    return locked
+
+
+def short(text: str) -> str:
+    """An error's first line and its last lines (a rank's traceback ends with the cause)."""
+    return text if len(text) <= 1500 else f"{text[:300]} [...] {text[-1200:]}"
 
 
 def ds_config(stage: int, dtype: str) -> dict:
@@ -37,36 +62,65 @@ def verdict(unpatched: float, patched: float, right_unpatched: bool, right_patch
     return "HARMED" if right_unpatched else "STILL WRONG"
 
 
-def rows(nproc: int = 1, engines=tuple(ENGINES), dtypes=("bf16", "fp16")) -> list[dict]:
-    from zerofix.check import parity, runner
+def one_run(engine: str, dtype: str, nproc: int, cuda: bool = True) -> list[dict]:
+    """The rows of one engine x dtype run (every head in one Trainer session). ``cuda=False``: the same run on the
+    CPU, and every row must have trained there (tests/test_gpu_tier_cpu.py: this code's CPU test)."""
+    from zerofix.check import launch, parity, runner
 
+    launch.USE_CUDA = cuda  # the ranks see this machine's GPU (scenario_env hides it everywhere else)
+    options = ENGINES[engine]
+    cells = [{**c, dtype: True} if dtype != "fp32" else dict(c) for c in CELLS]
+    request = parity.trainer_request(
+        cells, nproc=nproc, zero_stage=options.get("zero_stage"), fsdp=options.get("fsdp"),
+        ds_config=ds_config(options["zero_stage"], dtype) if "zero_stage" in options else None,
+        extra_args=("--cuda",) if cuda else (), name=f"gpu-{engine}-{dtype}")
+    request = dataclasses.replace(request, interpret=_one_at_a_time(request.interpret))
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            results = runner.alone(request, Path(tmp))
+        except Exception as exc:  # noqa: BLE001 - a row that cannot run says why
+            return [{"engine": engine, "dtype": dtype, "error": short(f"{type(exc).__name__}: {exc}")}]
     out = []
+    for cell in CELLS:
+        result = results[cell["name"]]
+        if "error" in result or "patched" not in result:
+            out.append({"engine": engine, "dtype": dtype, "head": cell["name"], "error": short(str(result))})
+            continue
+        bug, fixed = result["unpatched"], result["patched"]
+        devices = set(bug.get("device", [])) | set(fixed.get("device", []))
+        want = "cuda" if cuda else "cpu"
+        if not devices or not all(str(d).startswith(want) for d in devices):
+            out.append({"engine": engine, "dtype": dtype, "head": cell["name"],
+                        "error": f"trained on {sorted(map(str, devices))}, not the {'GPU' if cuda else 'CPU'}"})
+            continue
+        right = [r["rel_err"] < TOLERANCE[dtype] for r in (bug, fixed)]
+        out.append({"engine": engine, "dtype": dtype, "head": cell["name"], "unpatched": bug["ratio"],
+                    "patched": fixed["ratio"], "unpatched_rel_err": bug["rel_err"],
+                    "patched_rel_err": fixed["rel_err"], "bitwise_as_unpatched": fixed.get("bitwise_as_unpatched"),
+                    "engine_seen": fixed.get("engine"), "device": sorted(devices),
+                    "verdict": verdict(bug["ratio"], fixed["ratio"], *right)})
+    return out
+
+
+def rows(nproc: int = 1, engines=tuple(ENGINES), dtypes=("bf16", "fp16"), jobs: int = 1, on_rows=None) -> list[dict]:
+    """Every engine x dtype run's rows; ``on_rows(rows so far, the run's rows)`` after each run (a caller with a time limit keeps
+    what finished)."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    todo, out = [], []
     for engine in engines:
-        options = ENGINES[engine]
-        if "zero_stage" in options and importlib.util.find_spec("deepspeed") is None:
+        if "zero_stage" in ENGINES[engine] and importlib.util.find_spec("deepspeed") is None:
             out.append({"engine": engine, "skipped": "deepspeed is not installed"})
             continue
-        for dtype in dtypes:
-            cells = [{**c, dtype: True} for c in CELLS]
-            request = parity.trainer_request(
-                cells, nproc=nproc, zero_stage=options.get("zero_stage"), fsdp=options.get("fsdp"),
-                ds_config=ds_config(options["zero_stage"], dtype) if "zero_stage" in options else None,
-                extra_args=("--cuda",), name=f"gpu-{engine}-{dtype}")
-            with tempfile.TemporaryDirectory() as tmp:
-                try:
-                    results = runner.alone(request, Path(tmp))
-                except Exception as exc:  # noqa: BLE001 - a row that cannot run says why
-                    out.append({"engine": engine, "dtype": dtype, "error": f"{type(exc).__name__}: {exc}"[:300]})
-                    continue
-            for cell in CELLS:
-                bug, fixed = results[cell["name"]]["unpatched"], results[cell["name"]]["patched"]
-                right = [r["rel_err"] < TOLERANCE[dtype] for r in (bug, fixed)]
-                out.append({"engine": engine, "dtype": dtype, "head": cell["name"], "unpatched": bug["ratio"],
-                            "patched": fixed["ratio"], "patched_rel_err": fixed["rel_err"],
-                            "bitwise_as_unpatched": fixed.get("bitwise_as_unpatched"),
-                            "engine_seen": fixed.get("engine"),
-                            "verdict": verdict(bug["ratio"], fixed["ratio"], *right)})
-    return out
+        todo += [(engine, dtype) for dtype in dtypes]
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:  # each run is its own processes
+        for future in as_completed([pool.submit(one_run, *job, nproc) for job in todo]):
+            new = future.result()
+            out += new
+            if on_rows:
+                on_rows(out, new)
+    order = {e: i for i, e in enumerate(ENGINES)}
+    return sorted(out, key=lambda r: (order[r["engine"]], r.get("dtype", ""), r.get("head", "")))
 
 
 def table(results: list[dict]) -> str:
@@ -76,28 +130,49 @@ def table(results: list[dict]) -> str:
             lines.append(f"| {r['engine']} | {r['dtype']} | {r['head']} | {r['unpatched']:.4f} | {r['patched']:.4f} "
                          f"| {r['verdict']} |")
         else:
-            lines.append(f"| {r['engine']} | {r.get('dtype', '-')} | - | - | - | {r.get('error') or r['skipped']} |")
+            lines.append(f"| {r['engine']} | {r.get('dtype', '-')} | {r.get('head', '-')} | - | - "
+                         f"| {r.get('error') or r['skipped']} |")
     return "\n".join(lines)
+
+
+def installed(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--jobs", type=int, default=1, help="engine x dtype runs at once")
+    p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--dtypes", default="bf16,fp16")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
+    engines, dtypes = args.engines.split(","), args.dtypes.split(",")
+    if unknown := [e for e in engines if e not in ENGINES] + [d for d in dtypes if d not in TOLERANCE]:
+        p.error(f"unknown {', '.join(unknown)}: engines are {', '.join(ENGINES)}; dtypes {', '.join(TOLERANCE)}")
     import torch
 
     if not torch.cuda.is_available():
         print("gpu_trainer_matrix: no CUDA device here; the GPU tier runs only on a GPU machine", file=sys.stderr)
         return 2
-    import transformers
+    versions = {"device": torch.cuda.get_device_name(0), "cuda": torch.version.cuda, "processes": args.nproc,
+                **{d: installed(d) for d in ("torch", "transformers", "accelerate", "deepspeed")}}
+    print(", ".join(f"{k} {v}" for k, v in versions.items()), flush=True)
 
-    results = rows(args.nproc)
-    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, transformers "
-          f"{transformers.__version__}, processes {args.nproc}")
+    def so_far(done, new):
+        print("\n".join(table(new).splitlines()[2:]), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"versions": versions, "rows": done, "complete": False}, indent=1))
+
+    results = rows(args.nproc, engines, dtypes, args.jobs, on_rows=so_far)
     print(table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(json.dumps({"versions": versions, "rows": results, "complete": True}, indent=1))
     bad = [r for r in results if "error" in r or r.get("verdict", "right").startswith(("HARMED", "STILL"))]
     return 1 if bad else 0
 

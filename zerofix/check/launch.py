@@ -22,9 +22,14 @@ class LaunchError(RuntimeError):
         self.tail = tail or "\n".join(message.splitlines()[-12:])
 
 
+# The GPU tier (tools/gpu_trainer_matrix.py) sets this: its ranks see the caller's GPUs. Everywhere else the ranks
+# see none, whatever the machine has, so a check on a GPU machine measures the CPU path it reports.
+USE_CUDA = False
+
+
 def scenario_env(extra: dict | None = None) -> dict:
-    """A quiet, offline, CPU-only environment with one thread per rank (2 cores, 2 ranks); only
-    ``extra`` may set ZEROFIX* variables."""
+    """A quiet, offline environment with one thread per rank (2 cores, 2 ranks), CPU-only unless ``USE_CUDA``;
+    only ``extra`` may set ZEROFIX* variables."""
     # A ZEROFIX* variable of the caller's shell must not decide what the "unpatched" run means.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZEROFIX", "_ZEROFIX"))}
     env.update({
@@ -33,6 +38,8 @@ def scenario_env(extra: dict | None = None) -> dict:
         "WANDB_DISABLED": "true", "PYTHONUNBUFFERED": "1", "TRANSFORMERS_VERBOSITY": "error",
         "PYTHONWARNINGS": "ignore",
     })
+    if USE_CUDA:
+        env["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "0")
     # DeepSpeed JIT-builds a CPU op; a cache shared between environments gets corrupted.
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, ".torch_extensions"))
     # One ninja whoever calls (make, an activated environment, a bare shell): the interpreter's own environment's

@@ -272,6 +272,8 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         "windows": [windows[s] for s in sorted(windows)], "grad_norms": grad_norms,
         "status": [r.to_dict() for r in zerofix.status()],
         "engine": engine_facts(trainer) if args.fsdp else None,
+        # where the weights trained: the GPU tier asserts "cuda" (a Trainer without a GPU falls back to the CPU)
+        "device": str(next(trainer.model_wrapped.parameters()).device),
     }
     (vdir / f"rank{rank}.json").write_text(json.dumps(record))
 

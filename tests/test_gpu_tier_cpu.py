@@ -1,0 +1,45 @@
+"""The GPU tier's own code on the CPU (brief rule 4): tools/gpu_trainer_matrix.py's rows, as tests/test_gpu.py reads
+them on a GPU machine, from real Trainer runs here.
+
+- A ``--cuda`` run on a machine without a GPU trains on the CPU (transformers falls back silently); the table must
+  say so for every head, not report the CPU's verdicts as the GPU's.
+- The same run on the CPU (fp32, one process, no engine): the verdicts the CPU tests measure elsewhere
+  (tests/test_trainer_scaling.py, tests/test_moe_aux_loss.py), read through the table's code.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.slow, pytest.mark.stack("latest"),
+              pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine runs tests/test_gpu.py instead")]
+
+
+def matrix():
+    spec = importlib.util.spec_from_file_location("gpu_trainer_matrix", ROOT / "tools" / "gpu_trainer_matrix.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gpu_trainer_matrix", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_cuda_row_that_trained_on_the_cpu_is_an_error():
+    rows = matrix().one_run("none", "fp32", 1, cuda=True)
+    assert [r["head"] for r in rows] == ["cls", "lm", "moe"], rows
+    assert all(r.get("error") == "trained on ['cpu'], not the GPU" for r in rows), rows
+
+
+def test_the_table_reads_the_cpu_verdicts():
+    rows = {r["head"]: r for r in matrix().one_run("none", "fp32", 1, cuda=False)}
+    assert set(rows) == {"cls", "lm", "moe"} and not any("error" in r for r in rows.values()), rows
+    # transformers 5.23, one process: the classifier's loss ignores the count (GAS x too large), the causal LM's
+    # is right upstream, the router term is weighted GAS x
+    assert rows["cls"]["verdict"] == "fixed" and rows["cls"]["unpatched"] == pytest.approx(4.0, rel=1e-3), rows
+    assert rows["lm"]["verdict"] == "right (unchanged)" and rows["lm"]["bitwise_as_unpatched"], rows
+    assert rows["moe"]["verdict"] == "fixed", rows
+    assert all(r["device"] == ["cpu"] for r in rows.values()), rows
