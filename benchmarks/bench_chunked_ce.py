@@ -233,11 +233,40 @@ def cuda_table(repeats: int, json_path: str | None) -> None:
         Path(json_path).write_text(json.dumps(rows, indent=1))
 
 
+# The chunk-size sweep on a GPU (--sweep): the two large-vocabulary rows of the table
+SWEEP_SIZES = ((32768, 4096, 151936), (8192, 4096, 128256))
+SWEEP_CHUNKS = (128, 256, 512, 1024, 2048, 4096)
+
+
+def cuda_sweep(json_path: str | None) -> None:
+    """zerofix's time and peak per chunk size, bf16 (what ``default_chunk_size(V, "cuda")`` is chosen from)."""
+    import torch
+
+    import zerofix
+    from zerofix.losses import default_chunk_size
+
+    print(f"chunk-size sweep on {torch.cuda.get_device_name(0)}: zerofix forward+backward, bf16, median of 3")
+    rows = []
+    for n, hdim, v in SWEEP_SIZES:
+        hidden, weight, labels = cuda_inputs(n, hdim, v, torch.bfloat16)
+        for chunk in SWEEP_CHUNKS:
+            r = cuda_measure(lambda h, w, y: zerofix.chunked_cross_entropy(h, w, y, chunk_size=chunk),
+                             hidden, weight, labels, repeats=3, warmup=1)
+            rows.append({"n": n, "h": hdim, "v": v, "chunk": chunk, **r})
+            mark = " (default)" if chunk == default_chunk_size(v, "cuda") else ""
+            print(f"N={n} V={v} chunk={chunk:<5} {r['ms']:8.1f} ms {r['peak_mib']:8.0f} MiB{mark}", flush=True)
+        del hidden, weight, labels
+        torch.cuda.empty_cache()
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: plain, zerofix, Liger-Kernel and cut-cross-entropy in one process (cuda_table)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="with --device cuda: zerofix's chunk sizes (cuda_sweep)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", default="plain,trl,liger,zerofix")
     parser.add_argument("--liger", default=None, help="directory holding an installed liger_kernel "
@@ -251,7 +280,10 @@ def main() -> None:
         if not torch.cuda.is_available():
             sys.exit("bench_chunked_ce: --device cuda needs a CUDA device; the GPU figures are measured on a GPU "
                      "machine only (docs/benchmarks.md)")
-        cuda_table(10 if args.repeats == 3 else args.repeats, args.json)
+        if args.sweep:
+            cuda_sweep(args.json)
+        else:
+            cuda_table(10 if args.repeats == 3 else args.repeats, args.json)
         return
     size = "quick" if args.quick else "full"
     if args.child:

@@ -29,6 +29,8 @@ def test_the_trainer_is_right_patched_on_every_gpu_engine(engine):
         if "skipped" in row:
             pytest.skip(row["skipped"])
         assert "error" not in row, row
+        if row["verdict"].startswith("no update"):
+            continue  # fp16 loss scaling skipped the one step patched: no verdict on the loss (the table says so)
         assert row["verdict"] in ("fixed", "right (unchanged)"), row
         if row["verdict"] == "right (unchanged)":
             assert row["bitwise_as_unpatched"] in (True, None), row
@@ -41,10 +43,12 @@ def test_the_table_names_each_verdict():
             m.verdict(4, 4, False, False)] == ["right (unchanged)", "fixed", "HARMED", "STILL WRONG"]
 
 
+@pytest.mark.parametrize("chunk_size", [None, 128], ids=["one-chunk", "8-chunks"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_chunked_cross_entropy_parity_on_cuda(dtype):
+def test_chunked_cross_entropy_parity_on_cuda(dtype, chunk_size):
     """Issue 41: on CUDA the chunked loss runs its GEMMs in the input dtype with float32 accumulation; its loss
-    is float32 and within 2x plain's error against float64, its gradients as good as plain's."""
+    is float32 and within 2x plain's error against float64, its gradients as good as plain's; over several chunks
+    too (the weight gradient accumulated in place, zerofix.losses.add_mm_f32_)."""
     import torch.nn.functional as F
 
     from zerofix import chunked_cross_entropy
@@ -60,7 +64,7 @@ def test_chunked_cross_entropy_parity_on_cuda(dtype):
     ref.backward()
     errors = {}
     for name, fn in (("plain", lambda h, w: F.cross_entropy((h @ w.t()).float(), y, ignore_index=-100)),
-                     ("zerofix", lambda h, w: chunked_cross_entropy(h, w, y))):
+                     ("zerofix", lambda h, w: chunked_cross_entropy(h, w, y, chunk_size=chunk_size))):
         h, w = h64.to(dt).requires_grad_(), w64.to(dt).requires_grad_()
         loss = fn(h, w)
         loss.backward()

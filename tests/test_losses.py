@@ -220,7 +220,37 @@ def test_no_grad_forward_matches():
     assert rel(out, reference(h, w, labels, b).detach()) < 1e-12
 
 
+def test_an_in_place_accumulation_is_used_only_where_it_measures_right(monkeypatch):
+    """zerofix.losses.add_mm_f32_: the in-place cuBLAS form is taken only where a small measured case adds right; an
+    overload that overwrote the accumulator (out aliasing input) or is missing falls back to acc += mm_f32(a, b)."""
+    from zerofix import losses
+
+    cpu = torch.device("cpu")
+    assert losses._addmm_adds_in_place(cpu, torch.bfloat16) is False  # CPU has no out_dtype kernel
+    real = torch.addmm
+
+    def overwrites(acc, a, b, *, out_dtype, out):
+        out.copy_(a.float() @ b.float())  # the accumulator lost: a wrong in-place form
+
+    def adds(acc, a, b, *, out_dtype, out):
+        out.add_(a.float() @ b.float())
+
+    monkeypatch.setattr(torch, "addmm", overwrites)
+    assert losses._addmm_adds_in_place(cpu, torch.bfloat16) is False
+    monkeypatch.setattr(torch, "addmm", adds)
+    assert losses._addmm_adds_in_place(cpu, torch.bfloat16) is True
+    monkeypatch.setattr(torch, "addmm", real)
+    monkeypatch.setattr(losses, "_ADDMM_IN_PLACE", {"cpu": False})
+    monkeypatch.setattr(losses, "mm_f32", lambda a, b: a.float() @ b.float())
+    acc, a, b = torch.ones(4, 3), torch.randn(4, 5).bfloat16(), torch.randn(5, 3).bfloat16()
+    want = acc + a.float() @ b.float()
+    losses.add_mm_f32_(acc, a, b)
+    assert torch.equal(acc, want)
+
+
 def test_default_chunk_size():
+    # a GPU takes larger blocks: its weight-gradient accumulation per chunk is what a small chunk costs there
+    assert default_chunk_size(151936, "cuda") == 1024 and default_chunk_size(32000, "cuda") == 8192
     assert default_chunk_size(32000) == 1024
     assert default_chunk_size(10) == 8192 and default_chunk_size(10**7) == 64
 

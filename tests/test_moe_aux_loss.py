@@ -35,36 +35,47 @@ UNPATCHED = {
     ("2025-12", "zero2"): {2: None},
     ("2025-10", "zero2"): {2: None},
 }
-DEFAULT = {"nods": {1: "moe:1:4", 2: "moe:1:8"}, "zero2": {2: "moe:1:8"}}
-GROUPS = [(None, 1), (None, 2), (2, 2)]
+DEFAULT = {"nods": {1: "moe:1:4", 2: "moe:1:8"}, "zero2": {2: "moe:1:8"}, "zero3": {1: "moe:1:4"},
+           "fsdp2-bf16": {1: None}}
+GROUPS = [(None, 1), (None, 2), (2, 2), (3, 1), ("fsdp2-bf16", 1)]
+# Where the model's output carries a copy of the auxiliary loss the loss was computed from (found on an H100, then
+# here): ZeRO-3 wraps every module output in an identity function; accelerate casts FSDP2's bf16 outputs to float32.
+# On the two newest stacks (CI time); FSDP2 needs accelerate >= 1.10 anyway.
+COPIED_OUTPUT_STACKS = ("latest", "2026-04")
+BF16_BOUND = 0.1  # a bf16 router against float64: 0.04 patched here (routing and softmax in bf16); the bug: > 1
 
 
 def cell(stack: str, stage, nproc: int) -> dict:
-    path = "nods" if stage is None else f"zero{stage}"
+    path = "nods" if stage is None else stage if isinstance(stage, str) else f"zero{stage}"
     mode = UNPATCHED.get((stack, path), DEFAULT[path])[nproc]
-    return {"name": "moe", "model": "moe", "gas": 4, "lr": 2.0, "unpatched_mode": mode}
+    return {"name": "moe", "model": "moe", "gas": 4, "lr": 2.0, "unpatched_mode": mode,
+            **({"bf16": True} if path.endswith("bf16") else {})}
 
 
 def moe_requests(stack, stage, nproc):
     if stack in ONE_PROCESS_ONLY and (stage, nproc) != (None, 1):
         return []
-    return [parity.trainer_request([cell(stack, stage, nproc)], nproc=nproc, zero_stage=stage, name="trainer-moe")]
+    if stage in (3, "fsdp2-bf16") and stack not in COPIED_OUTPUT_STACKS:
+        return []
+    fsdp = {"fsdp": 2} if stage == "fsdp2-bf16" else {"zero_stage": stage}
+    return [parity.trainer_request([cell(stack, stage, nproc)], nproc=nproc, name="trainer-moe", **fsdp)]
 
 
 @pytest.mark.stack(*STACKS)
-@pytest.mark.parametrize("stage, nproc", GROUPS, ids=["no-deepspeed-1rank", "no-deepspeed-2rank", "zero2-2rank"])
+@pytest.mark.parametrize("stage, nproc", GROUPS, ids=["no-deepspeed-1rank", "no-deepspeed-2rank", "zero2-2rank",
+                                                      "zero3-1rank", "fsdp2-bf16-1rank"])
 @uses(moe_requests)
 def test_the_router_aux_loss_is_weighted_as_in_one_big_batch(ranks, stack, stage, nproc):
     if not moe_requests(stack, stage, nproc):
-        pytest.skip("one process on this stack (see ONE_PROCESS_ONLY)")
+        pytest.skip("not on this stack (see ONE_PROCESS_ONLY, COPIED_OUTPUT_STACKS)")
     result = ranks.result(*moe_requests(stack, stage, nproc))["moe"]
-    where = f"moe zero={stage} ranks={nproc} on {stack}"
+    where = f"moe {stage} ranks={nproc} on {stack}"
     mode, fixed = cell(stack, stage, nproc)["unpatched_mode"], result["patched"]
     if mode is not None:
         # the bug, to float32 rounding of its extra multiply and divide (1.7e-6 on 2026-04, 2 ranks)
         assert result["unpatched_as_bug"]["rel_err"] < 1e-5, (where, mode, result["unpatched_as_bug"])
     assert result["unpatched"]["rel_err"] > 0.1, (where, result["unpatched"])  # and it is wrong
-    assert fixed["rel_err"] < EXACT, (where, fixed)
+    assert fixed["rel_err"] < (BF16_BOUND if stage == "fsdp2-bf16" else EXACT), (where, fixed)
     assert all(s[ENTRY] == "applied" for s in fixed["rank_status"]), (where, fixed["rank_status"])
     runtime = fixed["rank_runtime"][0][ENTRY]
     assert runtime and runtime[-1]["reweighted"] == runtime[-1]["backwards"] == 4, (where, runtime)

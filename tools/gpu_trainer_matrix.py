@@ -29,6 +29,9 @@ CELLS = [{"name": "cls", "model": "seq-cls-llama", "gas": 4, "lr": 2.0, "head": 
 # relative error of the update against float64; fp32 is no GPU case of its own: it is what a CPU run of this table
 # can train (transformers refuses bf16/fp16 without a GPU), so tests/test_gpu_tier_cpu.py asserts the device check
 TOLERANCE = {"bf16": 0.03, "fp16": 0.01, "fp32": 1e-4}
+# A bf16 router against float64 (top-2 of 4 experts, softmax in bf16): 0.005 - 0.075 patched on an H100, 0.04 on CPU,
+# where the bug is >= 0.29 away; its fp32 rows hold the same cells to 1e-4.
+HEAD_TOLERANCE = {("moe", "bf16"): 0.1}
 
 
 # The runs go at once (``--jobs``), each on its own processes; reading their results (transformers' lazy imports, the
@@ -45,8 +48,13 @@ def _one_at_a_time(interpret):
 
 
 def short(text: str) -> str:
-    """An error's first line and its last lines (a rank's traceback ends with the cause)."""
-    return text if len(text) <= 1500 else f"{text[:300]} [...] {text[-1200:]}"
+    """An error's cause: the last exception line a rank printed (torchrun's own report follows it), else the text's
+    start."""
+    import re
+
+    causes = re.findall(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b.*)$", text, flags=re.M)
+    causes = [c for c in causes if not c.startswith(("ChildFailedError", "torch.distributed.elastic"))]
+    return (causes[-1] if causes else text)[:600]
 
 
 def ds_config(stage: int, dtype: str) -> dict:
@@ -56,7 +64,10 @@ def ds_config(stage: int, dtype: str) -> dict:
             "bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16", "loss_scale": 1.0}}
 
 
-def verdict(unpatched: float, patched: float, right_unpatched: bool, right_patched: bool) -> str:
+def verdict(unpatched: float, patched: float, right_unpatched: bool, right_patched: bool,
+            skipped=(False, False)) -> str:
+    if skipped[1]:
+        return "no update: the fp16 step was skipped" + (" (unpatched too)" if skipped[0] else "")
     if right_patched:
         return "right (unchanged)" if right_unpatched else "fixed"
     return "HARMED" if right_unpatched else "STILL WRONG"
@@ -93,12 +104,14 @@ def one_run(engine: str, dtype: str, nproc: int, cuda: bool = True) -> list[dict
             out.append({"engine": engine, "dtype": dtype, "head": cell["name"],
                         "error": f"trained on {sorted(map(str, devices))}, not the {'GPU' if cuda else 'CPU'}"})
             continue
-        right = [r["rel_err"] < TOLERANCE[dtype] for r in (bug, fixed)]
+        bound = HEAD_TOLERANCE.get((cell["name"], dtype), TOLERANCE[dtype])
+        right = [r["rel_err"] < bound for r in (bug, fixed)]
+        skipped = [any(r.get("step_skipped") or ()) for r in (bug, fixed)]
         out.append({"engine": engine, "dtype": dtype, "head": cell["name"], "unpatched": bug["ratio"],
                     "patched": fixed["ratio"], "unpatched_rel_err": bug["rel_err"],
                     "patched_rel_err": fixed["rel_err"], "bitwise_as_unpatched": fixed.get("bitwise_as_unpatched"),
                     "engine_seen": fixed.get("engine"), "device": sorted(devices),
-                    "verdict": verdict(bug["ratio"], fixed["ratio"], *right)})
+                    "step_skipped": skipped, "verdict": verdict(bug["ratio"], fixed["ratio"], *right, skipped)})
     return out
 
 

@@ -38,18 +38,22 @@ _REDUCTIONS = ("mean", "sum", "none")
 # One chunk's float32 logits block is kept near this size: large enough that the per-chunk accumulation
 # into the weight gradient stays cheap, small enough to stay a fraction of the full logits.
 _CHUNK_BYTES = 128 * 2**20
+_CUDA_CHUNK_BYTES = 1024 * 2**20
 # Devices whose softmax kernel may write in place (measured on CPU only; elsewhere max, exp and sum).
 _INPLACE_SOFTMAX_DEVICES = ("cpu",)
 
 
-def default_chunk_size(vocab_size: int) -> int:
-    """Rows per chunk: a power of two with ``rows x vocab_size`` float32 logits near 128 MiB (64..8192).
+def default_chunk_size(vocab_size: int, device_type: str = "cpu") -> int:
+    """Rows per chunk: a power of two with ``rows x vocab_size`` float32 logits near 128 MiB on CPU, near
+    ``_CUDA_CHUNK_BYTES`` on a GPU (64..8192).
 
     Smaller chunks re-read and re-write the ``V x H`` weight gradient more often (one accumulation per
     chunk), which costs more time than the chunk's own block saves memory below this size (measured in
-    ``benchmarks/bench_chunked_ce.py``).
+    ``benchmarks/bench_chunked_ce.py``). On a GPU that accumulation is the whole cost of a small chunk: at 128 rows
+    of a 151936 vocabulary it was 5.7x Liger-Kernel's time (H100), so a GPU takes larger blocks.
     """
-    rows = max(1, _CHUNK_BYTES // (4 * max(1, vocab_size)))
+    budget = _CUDA_CHUNK_BYTES if device_type == "cuda" else _CHUNK_BYTES
+    rows = max(1, budget // (4 * max(1, vocab_size)))
     return int(min(8192, max(64, 2 ** int(math.log2(rows)))))
 
 
@@ -89,6 +93,37 @@ def lowp_gemm(tensor, acc) -> bool:
 def mm_f32(a, b):
     """``a @ b`` of two low-precision matrices on tensor cores, accumulated and returned in float32."""
     return torch.mm(a, b, out_dtype=torch.float32)
+
+
+# device type -> whether torch.addmm(acc, a, b, out_dtype=float32, out=acc) adds in place, as measured once
+_ADDMM_IN_PLACE: dict = {}
+
+
+def add_mm_f32_(acc, a, b) -> None:
+    """``acc`` (float32) += ``a @ b`` of two low-precision matrices: in place where the release's cuBLAS overload
+    takes ``out=acc`` (no ``V x H`` float32 temporary per chunk: on an H100 that temporary and its add were most
+    of the chunked loss's time), else through ``mm_f32``. Whether the in-place form is right is measured once per
+    device type on small matrices, not assumed from the signature."""
+    kind = acc.device.type
+    if kind not in _ADDMM_IN_PLACE:
+        _ADDMM_IN_PLACE[kind] = _addmm_adds_in_place(acc.device, a.dtype)
+    if _ADDMM_IN_PLACE[kind]:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += mm_f32(a, b)
+
+
+def _addmm_adds_in_place(device, dtype) -> bool:
+    g = torch.Generator(device=device).manual_seed(0)
+    acc = torch.randn(64, 32, generator=g, device=device)
+    a = torch.randn(64, 48, generator=g, device=device).to(dtype)
+    b = torch.randn(48, 32, generator=g, device=device).to(dtype)
+    want = acc + a.float() @ b.float()
+    try:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return bool(torch.allclose(acc, want, rtol=1e-4, atol=1e-4))
 
 
 def _chunk_logits(h, weight, bias, opt, buf):
@@ -214,13 +249,14 @@ def _forward_pass(h, weight, bias, y, opt, row_weights, want_grads):
                 w_sum = weight.sum(dim=0)  # once per pass, not per chunk
             u_h = _apply_folded(d, hc, yc, weight, w_sum, grad_h[s:e] if want_h else None, grad_w, grad_b, u_h)
             continue
+        d_low = d.to(weight.dtype) if (want_h or want_w) and d.dtype != weight.dtype else None  # once, for both
         if want_h:
-            if d.dtype == grad_h.dtype:
+            if d_low is None:
                 torch.matmul(d, weight, out=grad_h[s:e])
             else:
-                grad_h[s:e] = d.to(weight.dtype) @ weight
+                grad_h[s:e] = d_low @ weight
         if want_w:
-            _accumulate_weight_grad(grad_w, d, hc)
+            _accumulate_weight_grad(grad_w, d, hc, d_low)
         if want_b:
             grad_b += d.sum(dim=0)
     if u_h is not None:
@@ -231,11 +267,12 @@ def _forward_pass(h, weight, bias, y, opt, row_weights, want_grads):
     return losses, (grad_h, grad_w, grad_b), (correct, entropy)
 
 
-def _accumulate_weight_grad(grad_w, d, hc) -> None:
+def _accumulate_weight_grad(grad_w, d, hc, d_low=None) -> None:
     """grad_w (float32) += d.T @ hc: on CUDA with low-precision inputs the product runs in the input dtype on tensor
-    cores and is added into the float32 buffer (no float32 GEMM); elsewhere the float32 addmm."""
+    cores and is added into the float32 buffer (no float32 GEMM); elsewhere the float32 addmm. ``d_low``: ``d``
+    already in the input dtype."""
     if lowp_gemm(hc, grad_w.dtype):
-        grad_w += mm_f32(d.t().to(hc.dtype), hc)
+        add_mm_f32_(grad_w, (d_low if d_low is not None else d.to(hc.dtype)).t(), hc)
     else:
         grad_w.addmm_(d.t(), hc.to(grad_w.dtype))
 
@@ -435,8 +472,8 @@ def _run(hidden, weight, labels, bias, *, ignore_index, reduction, num_items_in_
         else:
             denom = n_valid if num_items_in_batch is None else _items(num_items_in_batch, weight.dtype)
             weight_scale = 1.0 / denom if denom > 0 else 0.0  # no counted token anywhere: loss 0, gradient 0
-        opt = _Options(chunk_size or default_chunk_size(vocab), float(label_smoothing), logit_softcap,
-                       float(z_loss), float(logit_scale), weight_scale, stats,
+        opt = _Options(chunk_size or default_chunk_size(vocab, weight.device.type), float(label_smoothing),
+                       logit_softcap, float(z_loss), float(logit_scale), weight_scale, stats,
                        torch.promote_types(weight.dtype, torch.float32))
         out, correct, entropy = _ChunkedCE.apply(h_valid, weight, bias, y, opt)
     if reduction == "none":
@@ -475,7 +512,8 @@ def chunked_cross_entropy(hidden, weight, labels, bias=None, *, ignore_index: in
       ``"none"`` (per position, 0 at ignored positions).
     - ``num_items_in_batch``: the Trainer's normalisation, sum of this micro-batch's token losses divided
       by this count (the counted tokens of the whole accumulation window, across ranks). ``"mean"`` only.
-    - ``chunk_size``: rows per chunk (default: ``default_chunk_size(V)``, about 128 MiB of float32 logits).
+    - ``chunk_size``: rows per chunk (default: ``default_chunk_size(V, device)``, about 128 MiB of float32 logits
+      on CPU, 1 GiB on a GPU).
     - Works with ZeRO-3 partitioned ``weight``/``bias``, inside or outside ``engine.forward``: each is
       gathered at most once in forward and once in backward, whatever the number of chunks. Every rank must
       call it the same number of times (a gather is a collective), which any data-parallel loop does.

@@ -204,7 +204,8 @@ def compare_variants(out_dir: Path, records: list[dict], *, model: str, nproc: i
                             "grad_norms": [r.get("grad_norms", []) for r in ranks],
                             "rank_runtime": [{s["id"]: s.get("runtime", ()) for s in r["status"]} for r in ranks],
                             "engine": [r.get("engine") for r in ranks],
-                            "device": [r.get("device") for r in ranks]}
+                            "device": [r.get("device") for r in ranks],
+                            "step_skipped": [r.get("step_skipped") for r in ranks]}
     return results
 
 

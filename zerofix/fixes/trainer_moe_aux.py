@@ -102,14 +102,43 @@ def compute_loss(wrapped, trainer, args, kwargs):
     return (loss, outputs) if wanted else loss
 
 
+def _passes_value_through(node) -> bool:
+    """Whether an autograd node only hands its one input's value on: a copy (``.to()``: another dtype or device), or
+    one of the identity functions ZeRO-3 wraps every module output in (DeepSpeed's parameter_offload: forward
+    returns ``outputs.detach()``, backward its gradient, to fetch the module's parameters before its backward)."""
+    if node.name() == "ToCopyBackward0":
+        return True
+    forward = getattr(node, "_forward_cls", None)
+    return forward is not None and getattr(forward, "__module__", "").startswith("deepspeed.runtime.zero.")
+
+
+def _copied_from(node) -> set:
+    """``node`` and, through nodes that only pass a value on, the node it came from. A model's loss is computed from
+    the auxiliary loss inside its forward; what its output carries can be a copy of that: accelerate casts
+    low-precision outputs to float32 (convert_outputs_to_fp32, so with FSDP2's bf16 parameters), ZeRO-3 wraps each
+    module output. The loss's graph never reaches the copy (measured: the router term left unweighted on both, H100
+    and CPU)."""
+    nodes = {node}
+    for _ in range(8):
+        if node is None or not _passes_value_through(node):
+            break
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if len(inputs) != 1:
+            break
+        node = inputs[0]
+        nodes.add(node)
+    return nodes
+
+
 def _reaches(loss, aux) -> bool:
-    """Whether ``loss`` was computed from ``aux``: ``aux``'s autograd node is among the loss's first nodes."""
-    target, seen, queue = aux.grad_fn, set(), [getattr(loss, "grad_fn", None)]
+    """Whether ``loss`` was computed from ``aux`` (or from what ``aux`` is a copy of): that autograd node is among
+    the loss's first nodes."""
+    targets, seen, queue = _copied_from(aux.grad_fn), set(), [getattr(loss, "grad_fn", None)]
     while queue and len(seen) < _GRAPH_NODES:
         node = queue.pop(0)
         if node is None or node in seen:
             continue
-        if node is target:
+        if node in targets:
             return True
         seen.add(node)
         queue.extend(n for n, _ in node.next_functions)

@@ -180,6 +180,14 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         AcceleratorState._reset_state(reset_partial_state=False)
         for key in [k for k in os.environ if k.startswith(("FSDP_", "ACCELERATE_MIXED_PRECISION"))]:
             del os.environ[key]  # so are the FSDP_* and mixed-precision variables TrainingArguments exported
+    if args.zero_stage is not None:
+        # Each variant builds its model as the first one did, outside DeepSpeed's zero.Init: the previous variant's
+        # TrainingArguments leave transformers' DeepSpeed configuration live, and a classifier built directly under it
+        # keeps an unpartitioned float32 head among bf16 parameters (ZeRO-3 then stops on mixed dtypes, measured on
+        # 4.57 - 5.23, H100 and CPU).
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
     model = models.build_model(args.model, args.seed)
     freeze_once()  # see ds_accumulation: DeepSpeed 0.18.x's gc.collect() calls would scan every library object
     if rank == 0 and not (out / "init.pt").exists():
@@ -274,6 +282,8 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         "engine": engine_facts(trainer) if args.fsdp else None,
         # where the weights trained: the GPU tier asserts "cuda" (a Trainer without a GPU falls back to the CPU)
         "device": str(next(trainer.model_wrapped.parameters()).device),
+        # fp16's loss scaling skips a step whose gradients overflow: an update of 0 is then no verdict on the loss
+        "step_skipped": bool(getattr(trainer.accelerator, "optimizer_step_was_skipped", False)),
     }
     (vdir / f"rank{rank}.json").write_text(json.dumps(record))
 
