@@ -3,6 +3,7 @@
 The .pth is one guarded line: it does nothing unless ZEROFIX is set (see zerofix/activation.py).
 """
 import os
+import re
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -14,6 +15,23 @@ class build_py_with_pth(build_py):
     def run(self):
         super().run()
         self.copy_file(PTH, os.path.join(self.build_lib, os.path.basename(PTH)), preserve_mode=0)
+
+
+# README.md links into the repository (docs/check.md, CHANGELOG.md): relative links, which break on a package index's
+# page. The long description names them as paths of the source distribution instead, which ships them (MANIFEST.in).
+RELATIVE_LINK = re.compile(r"\[([^\]]+)\]\((?!https?:|#|mailto:)([^)#\s]+)(#[^)\s]*)?\)")
+
+
+def long_description() -> str:
+    with open("README.md", encoding="utf-8") as f:
+        text = f.read()
+
+    def plain(m):
+        label, path = m[1], m[2]
+        where = f"`{path}` in the source distribution"
+        return f"{label} ({where})" if label.strip("`") != path else where
+
+    return RELATIVE_LINK.sub(plain, text)
 
 
 cmdclass = {"build_py": build_py_with_pth}
@@ -33,4 +51,4 @@ else:
 
     cmdclass["editable_wheel"] = editable_wheel_with_pth
 
-setup(cmdclass=cmdclass)
+setup(cmdclass=cmdclass, long_description=long_description(), long_description_content_type="text/markdown")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -120,6 +121,13 @@ def test_regular_wheel_ships_the_pth_at_its_root(tmp_path):
     assert "zerofix/_bootstrap/sitecustomize.py" in names
     # issue 42: the metadata says Apache-2.0; the wheel carries the licence's text too
     assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names), names
+    # issue 42: an author, and a long description whose links do not point into a repository it is not in
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "Author: the zerofix developers" in metadata
+    description = metadata.split("\n\n", 1)[1]
+    assert "## Quick start, from a checkout" in description
+    assert not re.findall(r"\]\((?!https?:|#)[^)]*\)", description)
+    assert "`docs/check.md` in the source distribution" in description
 
 
 def test_zerofix_run_activates_and_chains_an_existing_sitecustomize(tmp_path):
@@ -339,3 +347,20 @@ def test_the_readmes_status_example_is_what_the_tool_prints():
                           env={k: v for k, v in os.environ.items() if not k.startswith(("ZEROFIX", "_ZEROFIX"))})
     answer = proc.stdout.strip().splitlines()[-1]
     assert answer in (ROOT / "README.md").read_text(), answer
+
+
+def test_a_long_reason_wraps_under_its_column():
+    """Issue 42: `zerofix status` printed a 430-character reason cell on one line; it wraps under its column now."""
+    from types import SimpleNamespace
+
+    from zerofix import cli
+
+    records = [SimpleNamespace(id="accelerate-short-last-window", state="inactive", dist="accelerate",
+                               installed="1.13.0", affected=">=1.1.1", reason="word " * 86),
+               SimpleNamespace(id="x", state="applied", dist="deepspeed", installed=None, affected="<1", reason="ok")]
+    lines = cli.status_table(records, width=120)
+    indent = lines[0].index("reason")
+    assert all(len(line) <= 120 for line in lines), lines
+    assert len(lines) > 3 and all(line[:indent].strip() == "" for line in lines[2:-1]), lines
+    assert " ".join(line[indent:].strip() for line in lines[1:-1]) == ("word " * 86).strip()
+    assert lines[-1].startswith("x ") and lines[-1].endswith("  ok")

@@ -7,8 +7,8 @@
     python tools/figures.py check                # exit 1, naming each place that differs (tests/test_figures.py)
 
 A page marks a figure inline as ``<!-- fig NAME -->TEXT<!-- /fig -->`` and a pasted output as a marker line
-``<!-- output: NAME -->`` (optionally ``(no header)``: without the command line and the three version lines)
-followed by a fenced block. ``render`` writes TEXT and the blocks from docs/figures.json; ``check`` says where a page
+``<!-- check-output: STACK -->``, ``<!-- own-config-output: STACK CONFIG -->`` or ``<!-- trl-rows: STACK -->``
+(optionally ``(no header)``: without the command line and the three version lines) followed by a fenced block. ``render`` writes TEXT and the blocks from docs/figures.json; ``check`` says where a page
 differs, so a page cannot drift from the last measurement. Each figure records when, on what and how it was measured.
 Measurements run on this machine with the stacks' environments (``make venv STACK=...``), one at a time.
 """
@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "docs" / "figures.json"
 PAGES = ("README.md", "docs/check.md", "docs/development.md", "docs/benchmarks.md")
 INLINE = re.compile(r"<!-- fig (?P<name>[\w.-]+) -->(?P<text>.*?)<!-- /fig -->")
-BLOCK = re.compile(r"^<!-- output: (?P<name>[\w.:-]+(?: [\w.-]+)*?)(?P<headless> \(no header\))? -->\n```\n"
-                   r"(?P<text>.*?)```", re.M | re.S)
+BLOCK = re.compile(r"^<!-- (?P<name>(?:check-output|own-config-output|trl-rows): [\w. -]+?)(?P<headless> \(no header\))? -->"
+                   r"\n```\n(?P<text>.*?)```", re.M | re.S)
 # The user-style ZeRO-2 + CPU optimizer offload configuration of the own-configuration outputs (docs/check.md)
 OWN_CONFIG = ROOT / "docs" / "measured" / "ds_config_zero2_offload.json"
 
@@ -82,7 +82,7 @@ def rendered(page: str, data: dict) -> tuple[str, list[str]]:
             missing.append(m["name"])
             return m[0]
         body = headless(output["text"]) if m["headless"] else output["text"]
-        return f"<!-- output: {m['name']}{m['headless'] or ''} -->\n```\n{body}```"
+        return f"<!-- {m['name']}{m['headless'] or ''} -->\n```\n{body}```"
 
     return BLOCK.sub(block, INLINE.sub(inline, page)), missing
 
@@ -185,6 +185,15 @@ def measure_own_config(data):
             ("own-config-output: 2026-04 zero2-offload", "$ zerofix check --deepspeed ds_config.json --gas 4\n" + out))
 
 
+def measure_trl_rows(data):
+    """`zerofix check --only 'trl-*'` on the TRL stacks, without its "What to do" (docs/check.md)."""
+    for stack in ("trl160", "trl1100", "trl1142"):
+        total, out = _check_output(stack, "--only", "trl-*")
+        rows = out.split("What to do:")[0].rstrip("\n") + "\n"
+        _record(data, f"check_trl_rows_{stack}_s", total, "s", f"zerofix check --only 'trl-*' on {stack}: its total",
+                (f"trl-rows: {stack}", rows))
+
+
 def measure_make_test(data):
     seconds, _ = _timed(["make", "test", "STACK=latest"])
     _record(data, "make_test_s", round(seconds), "s", "make test STACK=latest, environment built, op built")
@@ -210,7 +219,7 @@ def measure_fresh_clone(data):
 
 
 MEASUREMENTS = {"status": measure_status, "check-2026-04": measure_check_2026_04, "check-latest": measure_check_latest,
-                "check-quick": measure_check_quick, "own-config": measure_own_config, "make-test": measure_make_test,
+                "check-quick": measure_check_quick, "own-config": measure_own_config, "trl-rows": measure_trl_rows, "make-test": measure_make_test,
                 "bench": measure_bench, "fresh-clone": measure_fresh_clone}
 
 CI_STEP = re.compile(r"^== make (?P<target>[\w-]+) STACK=(?P<stack>[\w.-]+): exit 0 in (?P<s>\d+) s$", re.M)

@@ -32,14 +32,30 @@ def _status(args) -> int:
     if args.json:
         print(json.dumps([r.to_dict() for r in records], indent=2))
         return 0
-    rows = [("fix", "state", "installed", "affected", "reason")]
-    rows += [(r.id, r.state, f"{r.dist} {r.installed or '-'}", r.affected, r.reason) for r in records]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+    import shutil
+
+    print("\n".join(status_table(records, shutil.get_terminal_size((120, 24)).columns)))
     print()
     print(verdict_line(records))
     return 0
+
+
+def status_table(records, width: int = 120) -> list[str]:
+    """One row per fix; the reason wraps under its own column (a reason runs to 430 characters), so a row stays a
+    row at the terminal's width (at least 40 characters of reason per line)."""
+    import textwrap
+
+    rows = [("fix", "state", "installed", "affected", "reason")]
+    rows += [(r.id, r.state, f"{r.dist} {r.installed or '-'}", r.affected, r.reason) for r in records]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    indent = sum(widths) + 2 * 4
+    lines = []
+    for row in rows:
+        head = "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  "
+        reason = textwrap.wrap(row[4], max(40, width - indent), break_on_hyphens=False) or [""]
+        lines.append(head + reason[0])
+        lines += [" " * indent + more for more in reason[1:]]
+    return lines
 
 
 OPT_IN = "opt-in"  # verdict_line's group of in-range opt-in entries not applied

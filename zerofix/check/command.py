@@ -43,7 +43,7 @@ def _positive_int(text: str) -> int:
 
 def add_arguments(p) -> None:
     p.add_argument("--nproc", type=_positive_int, default=None, help="ranks per multi-rank scenario (default 2)")
-    p.add_argument("--quick", action="store_true", help="1 process, the fewest scenarios (15 s on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="1 process, the fewest scenarios (its time on 2 cores: docs/check.md)")
     p.add_argument("--only", help="comma list of scenario names or patterns (deepspeed-*) to run")
     p.add_argument("--skip", help="comma list of scenario names or patterns to leave out")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON (for CI)")
