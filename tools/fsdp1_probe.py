@@ -35,7 +35,7 @@ def main() -> int:
         def on_train_begin(self, *a, **k):
             from zerofix.check.fsdp_cpu import full_state
 
-            full_state(trainer.model_wrapped)
+            full_state(trainer.model, trainer.model_wrapped)
 
     with tempfile.TemporaryDirectory() as out:
         training_args = TrainingArguments(

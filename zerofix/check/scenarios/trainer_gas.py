@@ -243,8 +243,15 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
 
         def on_train_begin(self, train_args, state, control, **kwargs):
             # This variant's own start: a model built after a ZeRO-3 Trainer is built partitioned, and its
-            # initialisation need not equal the first build's (Llama's classifier differs on 5.23).
-            weights = final_weights(model, args.zero_stage, fsdp_wrapped())
+            # initialisation need not equal the first build's (Llama's classifier differs on 5.23). FSDP1 is not
+            # read here but taken as built: with this read the scenario's FSDP1 runs stopped in torch ("Non-root
+            # FSDP instance's `_is_root` should not have been set yet", transformers 5.17 / accelerate 1.15, H100),
+            # without it they train (H200); a plain Trainer trains with or without such a read
+            # (tools/fsdp1_probe.py). Which part of this two-variant run makes the read fail is not established.
+            if fsdp_version() == 1:
+                weights = built
+            else:
+                weights = final_weights(model, args.zero_stage, fsdp_wrapped())
             if rank == 0:
                 torch.save(weights, vdir / "init.pt")
 
@@ -259,6 +266,12 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
 
     def fsdp_wrapped():
         return trainer.model_wrapped if args.fsdp else None
+
+    def fsdp_version():
+        plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if args.fsdp else None
+        return getattr(plugin, "fsdp_version", None)
+
+    built = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}  # the variant's start, as built
 
     grad_norms = []  # DeepSpeed's global gradient norm after each optimizer step
     extra = {"compute_loss_func": mean_loss_func} if args.loss == "func-mean" else {}
