@@ -27,6 +27,18 @@ ROOT = Path(__file__).resolve().parents[1]
 KEY_DISTS = ("torch", "transformers", "accelerate", "deepspeed", "trl")
 
 
+def tool(name: str):
+    """A module of tools/ (which is no package), loaded once by path."""
+    import importlib.util
+
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def stack_pins(name: str) -> dict[str, str]:
     pins = {}
     for line in (ROOT / "constraints" / f"{name}.txt").read_text().splitlines():

@@ -4,13 +4,11 @@ last measurement (before, the same check read 10 s, 15 s and 28 s in three place
 and "under 3 minutes", the CI limit 45 minutes in .ci/run and 30 in docs/development.md)."""
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, tool
 
 pytestmark = pytest.mark.stack_independent
 # A duration in prose: "36 s", "0.1 s", "5 minutes", "2 min"
@@ -20,11 +18,7 @@ NOT_MEASURED = ("--timeout", "timeout", "hung", "3 x the patched run", "at least
 
 
 def figures():
-    spec = importlib.util.spec_from_file_location("figures", ROOT / "tools" / "figures.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("figures", module)
-    spec.loader.exec_module(module)
-    return module
+    return tool("figures")
 
 
 def prose(text: str) -> str:

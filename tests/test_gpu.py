@@ -3,23 +3,17 @@
 has none (docs/fixes.md, "Paths", says what has and has not been measured on a GPU)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import tool
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU tier)")]
 
 
 def matrix():
-    spec = importlib.util.spec_from_file_location("gpu_trainer_matrix", ROOT / "tools" / "gpu_trainer_matrix.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("gpu_trainer_matrix", module)
-    spec.loader.exec_module(module)
-    return module
+    return tool("gpu_trainer_matrix")
 
 
 @pytest.mark.parametrize("engine", ["none", "fsdp1", "fsdp2", "zero2", "zero3"])

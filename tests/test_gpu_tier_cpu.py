@@ -8,12 +8,10 @@ them on a GPU machine, from real Trainer runs here.
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import tool
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.slow, pytest.mark.stack("latest"),
@@ -21,11 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.stack("latest"),
 
 
 def matrix():
-    spec = importlib.util.spec_from_file_location("gpu_trainer_matrix", ROOT / "tools" / "gpu_trainer_matrix.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("gpu_trainer_matrix", module)
-    spec.loader.exec_module(module)
-    return module
+    return tool("gpu_trainer_matrix")
 
 
 def test_a_cuda_row_that_trained_on_the_cpu_is_an_error():
