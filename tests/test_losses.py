@@ -240,7 +240,7 @@ def test_an_in_place_accumulation_is_used_only_where_it_measures_right(monkeypat
     monkeypatch.setattr(torch, "addmm", adds)
     assert losses._addmm_adds_in_place(cpu, torch.bfloat16) is True
     monkeypatch.setattr(torch, "addmm", real)
-    monkeypatch.setattr(losses, "_ADDMM_IN_PLACE", {"cpu": False})
+    monkeypatch.setattr(losses, "_ADDMM_IN_PLACE", {("cpu", torch.bfloat16): False})
     monkeypatch.setattr(losses, "mm_f32", lambda a, b: a.float() @ b.float())
     acc, a, b = torch.ones(4, 3), torch.randn(4, 5).bfloat16(), torch.randn(5, 3).bfloat16()
     want = acc + a.float() @ b.float()

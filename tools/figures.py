@@ -119,7 +119,7 @@ def _timed(cmd, cwd=ROOT, env=None) -> tuple[float, str]:
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - start
-    if proc.returncode not in (0,):
+    if proc.returncode != 0:
         raise SystemExit(f"{' '.join(map(str, cmd))}: exit {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     return seconds, proc.stdout
 

@@ -95,7 +95,7 @@ def mm_f32(a, b):
     return torch.mm(a, b, out_dtype=torch.float32)
 
 
-# device type -> whether torch.addmm(acc, a, b, out_dtype=float32, out=acc) adds in place, as measured once
+# (device type, input dtype) -> whether torch.addmm(acc, a, b, out_dtype=float32, out=acc) adds in place, measured once
 _ADDMM_IN_PLACE: dict = {}
 
 
@@ -103,8 +103,8 @@ def add_mm_f32_(acc, a, b) -> None:
     """``acc`` (float32) += ``a @ b`` of two low-precision matrices: in place where the release's cuBLAS overload
     takes ``out=acc`` (no ``V x H`` float32 temporary per chunk: on an H100 that temporary and its add were most
     of the chunked loss's time), else through ``mm_f32``. Whether the in-place form is right is measured once per
-    device type on small matrices, not assumed from the signature."""
-    kind = acc.device.type
+    device type and input dtype on small matrices, not assumed from the signature."""
+    kind = (acc.device.type, a.dtype)
     if kind not in _ADDMM_IN_PLACE:
         _ADDMM_IN_PLACE[kind] = _addmm_adds_in_place(acc.device, a.dtype)
     if _ADDMM_IN_PLACE[kind]:
@@ -249,7 +249,9 @@ def _forward_pass(h, weight, bias, y, opt, row_weights, want_grads):
                 w_sum = weight.sum(dim=0)  # once per pass, not per chunk
             u_h = _apply_folded(d, hc, yc, weight, w_sum, grad_h[s:e] if want_h else None, grad_w, grad_b, u_h)
             continue
-        d_low = d.to(weight.dtype) if (want_h or want_w) and d.dtype != weight.dtype else None  # once, for both
+        # d in the input dtype, once for both products that take it: dh's, and dW's on the low-precision GEMM path
+        need_low = want_h or (want_w and lowp_gemm(hc, grad_w.dtype))
+        d_low = d.to(weight.dtype) if need_low and d.dtype != weight.dtype else None
         if want_h:
             if d_low is None:
                 torch.matmul(d, weight, out=grad_h[s:e])

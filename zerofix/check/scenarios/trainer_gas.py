@@ -250,7 +250,7 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
             # FSDP instance's `_is_root` should not have been set yet", transformers 5.17 / accelerate 1.15, H100),
             # without it they train (H200); a plain Trainer trains with or without such a read
             # (tools/fsdp1_probe.py). Which part of this two-variant run makes the read fail is not established.
-            if fsdp_version() == 1:
+            if built is not None:  # FSDP1
                 weights = built
             else:
                 weights = final_weights(model, args.zero_stage, fsdp_wrapped())
@@ -268,10 +268,6 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
 
     def fsdp_wrapped():
         return trainer.model_wrapped if args.fsdp else None
-
-    def fsdp_version():
-        plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if args.fsdp else None
-        return getattr(plugin, "fsdp_version", None)
 
     built = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if args.fsdp == 1 else None
 
