@@ -155,3 +155,46 @@ def test_an_uncovered_path_is_left_to_the_trainer_and_said(caplog, layout, name)
     assert seen is count and loss.item() == 1.0  # a mean the covered path would divide by 4
     assert f"not covered: {name}" in caplog.text
     assert paths.not_covered(fix.FIX_ID) == [name]
+
+
+def _identity_function(module: str):
+    """An autograd identity (forward hands its input on, detached) whose class lives in ``module``."""
+
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x.detach()
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    Identity.__module__ = module
+    return Identity
+
+
+def test_the_router_term_is_found_through_copies_and_nowhere_else():
+    """transformers-moe-aux-loss decides from the loss's autograd graph whether the loss holds the router term
+    (trainer_moe_aux._reaches). The output's aux_loss may be a copy of what the loss was computed from: a dtype
+    cast (accelerate's convert_outputs_to_fp32, FSDP2 in bf16) or ZeRO-3's identity around a module output. A loss
+    computed without the term stays untouched however the output's copy was made, and another library's function is
+    not taken for a copy."""
+    from zerofix.fixes import trainer_moe_aux as moe
+
+    w = torch.ones(3, requires_grad=True)
+    router = (w * 2).bfloat16()
+    ce, aux = (w * 3).sum(), (router * router).sum()
+    zero3_copy = _identity_function("deepspeed.runtime.zero.parameter_offload")
+    other = _identity_function("some_library.hooks")
+    copies = {"as is": aux, "cast": aux.float(), "zero3": zero3_copy.apply(aux),
+              "zero3 of a cast": zero3_copy.apply(aux.float()), "other function": other.apply(aux)}
+    with_term, without = ce + 0.5 * aux.float(), ce * 1.0
+    found = {name: moe._reaches(with_term, copy) for name, copy in copies.items()}
+    assert found == {"as is": True, "cast": True, "zero3": True, "zero3 of a cast": True, "other function": False}
+    assert not any(moe._reaches(without, copy) for copy in copies.values())
+    # the router's own input feeds the loss too (as routing weights feed the experts): still not the term
+    assert not moe._reaches(ce + router.float().sum(), aux.float())
