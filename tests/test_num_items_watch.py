@@ -1,7 +1,9 @@
-"""The watch behind transformers-trainer-scaling (zerofix.num_items_watch), without a Trainer: the count is
-followed through every operation, so a loss computed from it depends on it and a plain mean does not, whatever
-else was done with the count on the way (a move, a cast, a Python number, a log entry); the values computed from
-a watched count are bitwise those of the plain count, and the watched count copies like a plain tensor."""
+"""The verdict behind transformers-trainer-scaling (zerofix.num_items_watch), without a Trainer: what a loss does
+with the count, in three states. Divided: it scales as one over the count, after moves, casts, clamps, copies.
+Independent: the count never reached it and never left the watch. Unknown: a Python number, NumPy, a pickle, a read
+torch does not show to Python (torch.tensor(n), TorchScript), a count kept from an earlier step, or a loss computed
+from the count that does not scale as one over it (issue 46's rows). Values are bitwise the plain count's, and after
+the step nothing the user keeps is of the watch's class."""
 from __future__ import annotations
 
 import copy
@@ -13,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from zerofix import num_items_watch as watch  # noqa: E402
+from zerofix.num_items_watch import DIVIDED, INDEPENDENT, UNKNOWN  # noqa: E402
 
 pytestmark = pytest.mark.stack_independent  # the same on every stack: runs on latest (CI time)
 
@@ -33,75 +36,183 @@ def mean(logits, labels, num_items_in_batch=None):
 @pytest.fixture
 def batch():
     g = torch.Generator().manual_seed(0)
-    return torch.randn(6, 5, generator=g), torch.randint(0, 5, (6,), generator=g)
+    return torch.randn(6, 5, generator=g).requires_grad_(True), torch.randint(0, 5, (6,), generator=g)
 
 
-def test_a_normalised_loss_depends_on_the_count_and_gets_bitwise_its_value(batch):
-    n = torch.tensor(37)
-    loss = normalised(*batch, num_items_in_batch=watch.watched(n))
-    assert watch.depends(loss)
-    plain = watch.unwatched(loss)
-    assert type(plain) is torch.Tensor and torch.equal(plain, normalised(*batch, num_items_in_batch=n))
+def verdict(loss_of, count=37):
+    """One step: the verdict on ``loss_of(watched count)`` and the loss's value, plain."""
+    n = watch.watch(torch.tensor(count))
+    try:
+        loss = loss_of(n)
+        return watch.decide(loss), watch.unwatched(loss)
+    finally:
+        watch.close()
 
 
-def test_a_mean_that_ignores_the_count_does_not_depend_on_it(batch):
-    assert not watch.depends(mean(*batch, num_items_in_batch=watch.watched(torch.tensor(37))))
+def test_a_normalised_loss_is_divided_and_gets_bitwise_its_value(batch):
+    v, loss = verdict(lambda n: normalised(*batch, num_items_in_batch=n))
+    assert v.state == DIVIDED
+    assert type(loss) is torch.Tensor and torch.equal(loss, normalised(*batch, num_items_in_batch=torch.tensor(37)))
 
 
-def test_what_hooks_do_to_a_forward_argument_is_no_normalisation(batch):
+def test_a_mean_that_ignores_the_count_is_independent(batch):
+    assert verdict(lambda n: mean(*batch, num_items_in_batch=n))[0].state == INDEPENDENT
+
+
+def test_what_hooks_do_to_a_forward_argument_is_no_use(batch):
     """Issue 40 (accelerate's device hooks) and issue 39 (FSDP2's mixed precision asks is_floating_point of every
     argument, FSDP moves them): attribute reads, moves and casts of the count that never reach the loss."""
-    n = watch.watched(torch.tensor(37))
-    assert n.requires_grad is False and n.shape == () and n.device.type == "cpu"
-    moved = n.to("cpu")
-    assert watch.depends(moved) and torch.is_floating_point(n) is False
-    n.to(torch.float32)
-    assert not watch.depends(mean(*batch, num_items_in_batch=moved))
+    def hooked(n):
+        assert n.requires_grad is False and n.shape == () and n.device.type == "cpu"
+        moved = n.to("cpu")
+        assert torch.is_floating_point(n) is False
+        n.to(torch.float32)
+        return mean(*batch, num_items_in_batch=moved)
+    assert verdict(hooked)[0].state == INDEPENDENT
 
 
-def test_a_python_number_or_a_log_entry_is_no_normalisation(batch):
-    """Issue 40's first row: compute_loss logs float(count) or keeps .item(), returns the model's mean."""
-    logged = {}
-
-    def mean_with_a_metric(logits, labels, num_items_in_batch=None):
-        logged["tokens"], logged["item"] = float(num_items_in_batch), num_items_in_batch.item()
-        return torch.nn.functional.cross_entropy(logits, labels)
-
-    loss = mean_with_a_metric(*batch, num_items_in_batch=watch.watched(torch.tensor(37)))
-    assert not watch.depends(loss) and logged == {"tokens": 37.0, "item": 37}
-    assert watch.python_reads() == 2  # said in the warning: a loss divided by such a number cannot be followed
-
-
-@pytest.mark.parametrize("how", ["div_", "out=", "itruediv", "reciprocal-mul", "clamp", "max-of-two", "split"])
-def test_every_way_of_computing_from_the_count_is_followed(batch, how):
+@pytest.mark.parametrize("how", ["div_", "out=", "itruediv", "reciprocal-mul", "clamp", "split", "deepcopy",
+                                 "times-processes", "float-cast", "sum-of-divided"])
+def test_every_way_of_dividing_by_the_count_is_divided(batch, how):
     logits, labels = batch
-    n = watch.watched(torch.tensor(37))
-    total = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
-    if how == "div_":
-        loss = total.clone()
-        loss.div_(n)
-    elif how == "out=":
-        loss = torch.empty(())
-        torch.div(total, n, out=loss)
-    elif how == "itruediv":
-        loss = total.clone()
-        loss /= n
-    elif how == "reciprocal-mul":
-        loss = total * (1.0 / n)
-    elif how == "clamp":
-        loss = total / n.clamp(min=1)
-    elif how == "max-of-two":
-        loss = total / max(n, torch.tensor(1))
-    else:
-        loss = total / torch.split(n.reshape(1).float(), 1)[0].squeeze()
-    assert watch.depends(loss)
-    assert torch.equal(watch.unwatched(loss), total / 37)
+
+    def loss_of(n):
+        total = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+        if how == "div_":
+            loss = total.clone()
+            return loss.div_(n)
+        if how == "out=":
+            loss = torch.empty(())
+            torch.div(total.detach(), n, out=loss)
+            return loss
+        if how == "itruediv":
+            loss = total.clone()
+            loss /= n
+            return loss
+        if how == "reciprocal-mul":
+            return total * (1.0 / n)
+        if how == "clamp":
+            return total / n.clamp(min=1)
+        if how == "split":
+            return total / torch.split(n.reshape(1).float(), 1)[0].squeeze()
+        if how == "deepcopy":  # issue 46: a compute_loss that hands the model a deep copy of the count
+            return total / copy.deepcopy(n)
+        if how == "times-processes":  # the Trainer's loss *= num_processes
+            loss = total / n
+            loss *= 2
+            return loss
+        if how == "float-cast":
+            return total / n.float().to(torch.float64)
+        return total / n + total.detach() * 0.5 / n
+    v, loss = verdict(loss_of)
+    assert v.state == DIVIDED, v
+    assert loss.isfinite()
+
+
+def _divide(a, b):
+    return a / b
+
+
+_scripted_divide = torch.jit.script(_divide)
+
+
+@pytest.mark.parametrize("how, route", [
+    ("item", "Python number"), ("int", "Python number"), ("float", "Python number"), ("tolist", "Python number"),
+    ("tensor-of-item", "Python number"), ("tensor", "torch does not show"), ("from-numpy", "NumPy"),
+    ("float-of-numpy", "NumPy"), ("jit-script", "torch does not show"), ("jit-trace", "torch does not show"),
+    ("pickle", "pickle"), ("logged-only", "Python number"), ("max-of-two", "Python number"),
+])
+def test_a_count_that_leaves_the_watch_makes_the_verdict_unknown(batch, how, route):
+    """Issue 46: the loss divided by the count through a route the watch cannot follow, or a mean that only logs it:
+    the same observation, so both are unknown (never acted on)."""
+    logits, labels = batch
+    traced = torch.jit.trace(_divide, (torch.tensor(1.0), torch.tensor(3)))
+
+    def loss_of(n):
+        total = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+        divisor = {"item": lambda: n.item(), "int": lambda: int(n), "float": lambda: float(n),
+                   "tolist": lambda: n.tolist(), "tensor-of-item": lambda: torch.tensor(n.item()),
+                   "tensor": lambda: torch.tensor(n), "from-numpy": lambda: torch.from_numpy(n.numpy()),
+                   "float-of-numpy": lambda: float(n.numpy()), "pickle": lambda: pickle.loads(pickle.dumps(n)),
+                   "max-of-two": lambda: max(n, torch.tensor(1))}
+        if how == "jit-script":
+            return _scripted_divide(total, n)
+        if how == "jit-trace":
+            return traced(total, n)
+        if how == "logged-only":
+            float(n)
+            return mean(logits, labels)
+        return total / divisor[how]()
+    v, loss = verdict(loss_of)
+    assert v.state == UNKNOWN and route in v.route, v
+    assert loss.isfinite()
+
+
+@pytest.mark.parametrize("how", ["plus-zero-times", "times-comparison", "plus-regulariser-over-count",
+                                 "squared", "floor-division", "log"])
+def test_a_loss_computed_from_the_count_that_does_not_scale_as_one_over_it_is_unknown(batch, how):
+    """Issue 46: ``mean + 0 * n``, ``mean * (n > 0)``, ``mean + 1e-3 * sum(p**2) / n`` touch the count without being
+    divided by it (on transformers 5.3 treating them as divided made right runs 4x wrong)."""
+    logits, labels = batch
+
+    def loss_of(n):
+        m = mean(logits, labels)
+        total = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+        return {"plus-zero-times": lambda: m + 0 * n, "times-comparison": lambda: m * (n > 0),
+                "plus-regulariser-over-count": lambda: m + 1e-3 * (logits ** 2).sum() / n,
+                "squared": lambda: total / n ** 2, "floor-division": lambda: total / (n // 1),
+                "log": lambda: total / torch.log(n.float())}[how]()
+    v, _ = verdict(loss_of)
+    assert v.state == UNKNOWN and "does not scale as one over it" in v.route, v
+
+
+def test_an_undivided_term_another_fix_accounts_for_keeps_the_loss_divided(batch):
+    """The MoE router term (transformers-moe-aux-loss weights it): divided cross-entropy + coefficient x aux."""
+    logits, labels = batch
+    aux = (logits ** 2).mean()
+    n = watch.watch(torch.tensor(37))
+    try:
+        loss = normalised(logits, labels, n)
+        loss += 0.01 * aux
+        assert watch.decide(loss, accounted=lambda t: t.grad_fn is not None).state == DIVIDED
+    finally:
+        watch.close()
+    n = watch.watch(torch.tensor(37))
+    try:
+        loss = normalised(logits, labels, n) + 0.01 * aux
+        assert watch.decide(loss).state == UNKNOWN  # nobody accounts for it
+    finally:
+        watch.close()
+
+
+def test_nothing_the_user_keeps_is_of_the_watchs_class_after_the_step(batch):
+    """Issue 46: a buffer filled from the count, a running sum, an attribute holding a value computed from it, a
+    deep copy: plain tensors once the step ends. The count itself, if kept, answers as a plain tensor and its reads in
+    a later step are a route that step cannot follow."""
+    logits, labels = batch
+    norm, seen, kept = torch.zeros(()), torch.zeros((), dtype=torch.int64), {}
+
+    def loss_of(n):
+        norm.copy_(n)
+        seen.add_(n)
+        kept["count"], kept["float"], kept["copy"] = n, n.float(), copy.deepcopy(n)
+        loss = normalised(logits, labels, n)
+        kept["running"] = torch.zeros(()) + loss.detach()
+        return loss
+    v, _ = verdict(loss_of)
+    assert v.state == DIVIDED
+    for tensor in (norm, seen, kept["running"], kept["copy"]):
+        assert type(tensor) is torch.Tensor, type(tensor)
+    assert type(kept["float"]) is torch.Tensor and not isinstance(kept["count"], watch._Watched)
+    assert int(kept["count"]) == 37 and float(kept["float"] + 1) == 38.0 and kept["count"].numpy() == 37
+    assert type(copy.deepcopy(kept["count"])) is torch.Tensor
+    v, _ = verdict(lambda n: torch.nn.functional.cross_entropy(logits, labels, reduction="sum") / kept["count"])
+    assert v.state == UNKNOWN and "earlier step" in v.route
 
 
 def test_the_loss_handed_on_keeps_its_graph(batch):
     logits, labels = batch
-    logits = logits.clone().requires_grad_(True)
-    loss = watch.unwatched(normalised(logits, labels, num_items_in_batch=watch.watched(torch.tensor(37))))
+    _, loss = verdict(lambda n: normalised(logits, labels, num_items_in_batch=n))
     loss.backward()
     expected = torch.autograd.grad(normalised(logits, labels, torch.tensor(37)), logits)[0]
     assert torch.equal(logits.grad, expected)
@@ -109,26 +220,48 @@ def test_the_loss_handed_on_keeps_its_graph(batch):
 
 def test_the_watched_count_copies_pickles_and_saves_as_a_plain_tensor():
     """Issue 40: copy.deepcopy(num_items_in_batch) inside compute_loss crashed the watched subclass."""
-    n = watch.watched(torch.tensor(37))
-    buffer = io.BytesIO()
-    torch.save({"n": n}, buffer)
-    buffer.seek(0)
-    for copied in (copy.deepcopy(n), pickle.loads(pickle.dumps(n)), torch.load(buffer)["n"], copy.copy(n) * 1):
-        assert int(copied) == 37
-    assert type(copy.deepcopy(n)) is torch.Tensor and type(pickle.loads(pickle.dumps(n))) is torch.Tensor
+    n = watch.watch(torch.tensor(37))
+    try:
+        buffer = io.BytesIO()
+        torch.save({"n": n}, buffer)
+        buffer.seek(0)
+        for copied in (copy.deepcopy(n), pickle.loads(pickle.dumps(n)), torch.load(buffer)["n"], copy.copy(n) * 1):
+            assert int(copied) == 37
+        assert type(pickle.loads(pickle.dumps(n))) is torch.Tensor
+    finally:
+        watch.close()
+
+
+def test_the_algebra_by_itself():
+    from fractions import Fraction as F
+
+    from zerofix.num_items_watch import Constant, Mixed, combine
+    one, c = F(1), Constant(None)
+    assert combine("__truediv__", [c, one]) == F(-1)
+    assert combine("__rtruediv__", [one, c]) == F(-1)
+    assert combine("mul", [F(-1), c]) == F(-1)
+    assert combine("to", [one, "other"]) == one and isinstance(combine("to", [c, one]), Constant)
+    assert combine("add", [F(-1), F(-1)]) == F(-1)
+    assert combine("add", [F(-1), c]) == Mixed(frozenset({F(-1), F(0)}), (None,))
+    assert combine("pow", [one, F(2)]) == F(2) and combine("sqrt", [F(2)]) == one
+    assert combine("gt", [one, c]) is None and combine("add", [None, c]) is None
 
 
 def test_a_parameter_changed_in_place_by_the_count_keeps_its_class():
     p = torch.nn.Parameter(torch.ones(3))
-    with torch.no_grad():
-        p.mul_(watch.watched(torch.tensor(2)))
+    n = watch.watch(torch.tensor(2))
+    try:
+        with torch.no_grad():
+            p.mul_(n)
+    finally:
+        watch.close()
     assert type(p) is torch.nn.Parameter
 
 
 def test_nothing_to_watch_is_handed_back_as_it_is():
-    assert watch.watched(None) is None
-    assert watch.watched(12) == 12
-    assert watch.unwatched(12) == 12 and not watch.depends(12.0)
+    assert watch.watch(None) is None
+    assert watch.watch(12) == 12
+    assert watch.unwatched(12) == 12
 
 
 def test_an_int_count_becomes_a_tensor_with_bitwise_the_same_divisions():
@@ -143,7 +276,7 @@ def test_an_int_count_becomes_a_tensor_with_bitwise_the_same_divisions():
     assert watch.as_tensor_like_release(True) is True and watch.as_tensor_like_release(None) is None
 
 
-def test_zerofixs_own_chunked_loss_shows_that_it_divides_by_the_count():
+def test_zerofixs_own_chunked_loss_is_divided_by_the_count():
     """zerofix.chunked_cross_entropy divides by the count inside its kernel, as a float; its result still depends
     on the tensor, bitwise the same (found by zerofix check's trl-sft-chunked-nll row on 2026-04: 0.5 otherwise)."""
     from zerofix.losses import chunked_cross_entropy
@@ -152,6 +285,6 @@ def test_zerofixs_own_chunked_loss_shows_that_it_divides_by_the_count():
     hidden, weight = torch.randn(10, 8, generator=g), torch.randn(16, 8, generator=g)
     labels = torch.randint(0, 16, (10,), generator=g)
     plain = chunked_cross_entropy(hidden, weight, labels, num_items_in_batch=torch.tensor(23))
-    followed = chunked_cross_entropy(hidden, weight, labels, num_items_in_batch=watch.watched(torch.tensor(23)))
-    assert watch.depends(followed) and torch.equal(watch.unwatched(followed), plain)
-    assert not watch.depends(chunked_cross_entropy(hidden, weight, labels))
+    v, followed = verdict(lambda n: chunked_cross_entropy(hidden, weight, labels, num_items_in_batch=n), 23)
+    assert v.state == DIVIDED and torch.equal(followed, plain)
+    assert verdict(lambda n: chunked_cross_entropy(hidden, weight, labels))[0].state == INDEPENDENT

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from zerofix.scaling import Plan, TrainerFacts, applied_factor, call_of, plan, trainer_believes_scaled
+from zerofix.scaling import acts_on, Plan, TrainerFacts, applied_factor, call_of, plan, trainer_believes_scaled
 
 pytestmark = pytest.mark.stack_independent  # the same on every stack: runs on latest (CI time)
 
@@ -41,7 +41,8 @@ def call(version, loss, *, deepspeed=False, processes=1, window=GAS, average_tok
     facts = TrainerFacts(accepts_loss_kwargs=kw, compute_loss_func=func, num_items=num_items,
                          average_tokens=average_tokens, loss_is_scaled_for_ga=None, processes=processes, gas=GAS,
                          window=window)
-    return call_of(version, facts, reads_num_items=reads if num_items else None, stated=stated, base_ran=base,
+    verdict = ("divided" if reads else "independent") if num_items else None
+    return call_of(version, facts, verdict=verdict, stated=stated, base_ran=base,
                    deepspeed=deepspeed, scale_wrt_gas=version < (4, 49), accelerate_steps=accelerate_steps(version))
 
 
@@ -108,7 +109,7 @@ def test_a_statement_is_followed_not_measured():
 def test_the_measurement_never_turns_a_mean_into_a_normalised_loss():
     """A loss the Trainer divides (it believes a mean) stays divided even if it read the count (a metric)."""
     facts = TrainerFacts(False, False, True, True, None, 2, GAS, GAS)
-    c = call_of((5, 23, 0), facts, reads_num_items=True, stated=False, base_ran=True, deepspeed=False,
+    c = call_of((5, 23, 0), facts, verdict="divided", stated=False, base_ran=True, deepspeed=False,
                 scale_wrt_gas=False, accelerate_steps=1)
     assert c.loss_is_mean and plan(c) == Plan()
 
@@ -124,13 +125,29 @@ def test_a_loss_that_got_no_count_is_a_mean_on_every_release():
     head, 4.48.3, 4x); from 4.54 the Trainer divides such a loss itself, and zerofix does the same before."""
     facts = TrainerFacts(True, False, False, False, None, 1, GAS, GAS)
     for version in ((4, 48, 3), (4, 52, 4)):
-        c = call_of(version, facts, reads_num_items=None, stated=False, base_ran=True, deepspeed=False,
+        c = call_of(version, facts, verdict=None, stated=False, base_ran=True, deepspeed=False,
                     scale_wrt_gas=True, accelerate_steps=1)
         assert c.loss_is_mean and unpatched(c) == GAS and applied_factor(c, plan(c)) == 1
-    c = call_of((5, 23, 0), facts, reads_num_items=None, stated=False, base_ran=True, deepspeed=False,
+    c = call_of((5, 23, 0), facts, verdict=None, stated=False, base_ran=True, deepspeed=False,
                 scale_wrt_gas=False, accelerate_steps=1)
     assert unpatched(c) == 1 and plan(c) == Plan()
     # stated per window: followed
-    c = call_of((4, 48, 3), facts, reads_num_items=None, stated=True, base_ran=True, deepspeed=False,
+    c = call_of((4, 48, 3), facts, verdict=None, stated=True, base_ran=True, deepspeed=False,
                 scale_wrt_gas=True, accelerate_steps=1)
     assert not c.loss_is_mean and plan(c) == Plan()
+
+
+def test_an_unknown_verdict_is_never_acted_on_unless_someone_said_what_the_loss_is():
+    """Issue 46: the count left the watch (a Python number, TorchScript, ...) or touched the loss without dividing it:
+    upstream's path, whatever the plan would be; a statement, or a step without a count, still decides."""
+    assert not acts_on("unknown", stated=False, statement=None, num_items=True)
+    assert acts_on("divided", stated=False, statement=None, num_items=True)
+    assert acts_on("independent", stated=False, statement=None, num_items=True)
+    assert acts_on("unknown", stated=True, statement=None, num_items=True)
+    assert acts_on("unknown", stated=False, statement=False, num_items=True)
+    assert acts_on(None, stated=False, statement=None, num_items=False)
+    # an unknown loss is not demoted to a mean: the Trainer's belief stands in the Call
+    facts = TrainerFacts(True, False, True, True, None, 1, GAS, GAS)
+    c = call_of((5, 23, 0), facts, verdict="unknown", stated=False, base_ran=True, deepspeed=False,
+                scale_wrt_gas=False, accelerate_steps=1)
+    assert not c.loss_is_mean

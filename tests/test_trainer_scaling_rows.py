@@ -3,7 +3,8 @@ each row's unpatched factor as measured on its stack, and patched the float64 re
 classifier, the documented ambiguity: 0.25 with a WARNING naming the statement, and the statement restoring the
 Trainer's own path bitwise).
 
-Rows: a compute_loss that logs ``float(num_items_in_batch)`` and keeps ``.item()``; one that deep-copies the count
+Rows: a compute_loss that logs ``float(num_items_in_batch)`` and keeps ``.item()`` (issue 46: the count left the
+watch as a Python number, so the verdict is unknown and upstream's path runs, with a WARNING); one that deep-copies the count
 (crashed the old watch); a classifier dispatched with accelerate's device hooks on every layer (its ``.to()`` on
 the count counted as a read); a loss that reads the count only from its second step on (the first verdict was
 kept: 0.25); the classifier divided by GAS by hand, unstated and stated. The MoE row: test_moe_aux_loss.py.
@@ -58,6 +59,10 @@ def test_issue_40_rows(ranks, stack):
         windows = bug.get("per_window", [bug])
         assert [w["ratio"] for w in windows] == pytest.approx(unpatched_factors(stack, cell), rel=1e-4), where
         runtime = fixed["rank_runtime"][0][ENTRY][-1]  # this cell's trainer: the last one the process saw
+        if cell["name"] == "logged-count":  # issue 46: a count read as a Python number is unknown: upstream, said
+            assert fixed["bitwise_as_unpatched"] is True, (where, fixed)
+            assert "unknown verdict: upstream's path followed" in runtime.get("warnings", ()), (where, runtime)
+            continue
         if cell["name"] == "hand-divided":  # the ambiguity: scaled as a mean, said at WARNING with the statement
             assert fixed["ratio"] == pytest.approx(0.25, rel=1e-4), (where, fixed)
             if unpatched_factors(stack, cell) == [0.25]:  # 5.3: the Trainer's path is a mean's, zerofix changes nothing

@@ -60,7 +60,7 @@ def test_every_step_hands_on_a_watched_count_and_the_engine_a_plain_loss():
         seen, loss = run_step(t, count, lambda n: torch.tensor(24.0) / n)
         assert type(seen) is not torch.Tensor and torch.equal(seen, count)  # watched, equal
         assert type(loss) is torch.Tensor and loss.item() == 2.0  # normalised: left to the Trainer
-    assert fix.runtime_details()[-1]["loss"] == "depends on num_items_in_batch"
+    assert fix.runtime_details()[-1]["loss"] == "divided by num_items_in_batch"
 
 
 def test_the_verdict_is_each_steps_own():
@@ -71,7 +71,7 @@ def test_the_verdict_is_each_steps_own():
     _, third = run_step(t, count)
     assert (first.item(), second.item(), third.item()) == (0.25, 2.0, 0.25)
     details = fix.runtime_details()[-1]
-    assert (details["steps_depending"], details["steps_independent"]) == (1, 2)
+    assert (details["steps_divided"], details["steps_independent"]) == (1, 2)
 
 
 def test_a_new_run_reads_the_trainers_facts_again():
@@ -95,15 +95,50 @@ def test_an_int_count_is_watched_as_a_tensor_at_every_step():
 def test_no_count_no_watch():
     t, seen = trainer(), []
     fix.training_step(lambda m, i, n: seen.append(n), t, (t.model, {}, None), {})
-    assert seen == [None] and fix.known(t).reads is None
+    assert seen == [None] and fix.known(t).verdict is None
 
 
-def test_a_compiled_model_is_not_watched_and_the_belief_is_followed(caplog):
+def test_a_compiled_model_is_not_watched_and_upstream_is_followed(caplog):
+    """Issue 46: the count handed to torch.compile cannot be followed: the verdict is unknown, upstream's path runs
+    (here the Trainer's belief, normalised: nothing divided) and a WARNING names the route and the statement."""
     t, count = trainer(torch_compile=True), torch.tensor(12)
     with caplog.at_level(logging.WARNING, logger="zerofix"):
         seen, loss = run_step(t, count)
-    assert seen is count and fix.known(t).compiled and fix.known(t).reads is None and "torch.compile" in caplog.text
-    assert loss.item() == 1.0  # the Trainer's belief (normalised): nothing divided
+    assert seen is count and fix.known(t).compiled and fix.known(t).verdict.state == "unknown"
+    assert "torch.compile" in caplog.text and "zerofix.loss_is_scaled_for_ga(trainer" in caplog.text
+    assert loss.item() == 1.0
+
+
+def test_a_compiled_loss_function_is_not_watched_either():
+    t, count = trainer(), torch.tensor(12)
+    t.compute_loss_func = torch.compile(lambda outputs, labels, num_items_in_batch=None: outputs)
+    seen, _ = run_step(t, count)
+    assert seen is count and fix.known(t).verdict.state == "unknown"
+
+
+def test_an_unknown_verdict_follows_upstream_and_says_so_once(caplog):
+    """Issue 46: a loss divided by ``n.item()`` looks like a mean that read the count as a number: upstream (here
+    nothing divided), one WARNING naming the route; the same loss stated is the user's word."""
+    t, count = trainer(), torch.tensor(12)
+    with caplog.at_level(logging.WARNING, logger="zerofix"):
+        for _ in range(2):
+            seen, loss = run_step(t, count, lambda n: torch.tensor(24.0) / n.item())
+            assert loss.item() == 2.0
+    assert caplog.text.count("cannot be told") == 1 and "a Python number" in caplog.text
+    details = fix.runtime_details()[-1]
+    assert details["steps_unknown"] == 2 and "a Python number" in details["route"]
+
+
+def test_a_step_the_entry_never_sees_is_reported_not_covered(caplog):
+    """Issue 46: a training_step override that calls accelerator.backward itself, without super(): the trainer's
+    loop fetched its windows (get_batch_samples) but no step was opened; the log and the details say not covered."""
+    t = trainer()
+    fix.get_batch_samples(lambda *a, **k: ([{}], None), t, (iter(()), 1), {})
+    with caplog.at_level(logging.WARNING, logger="zerofix"):
+        out = fix.backward(lambda loss: loss, t.accelerator, (torch.tensor(3.0),), {})
+        fix.backward(lambda loss: loss, t.accelerator, (torch.tensor(3.0),), {})
+    assert out.item() == 3.0 and caplog.text.count("not covered") == 1
+    assert fix.runtime_details()[-1]["covered"] == fix.NOT_SEEN
 
 
 def test_a_rescaled_mean_is_warned_once_a_run_with_the_statement_that_stops_it(caplog):
@@ -113,7 +148,7 @@ def test_a_rescaled_mean_is_warned_once_a_run_with_the_statement_that_stops_it(c
     with caplog.at_level(logging.WARNING, logger="zerofix"):
         run_step(t, count)
         run_step(t, count)
-    assert caplog.text.count("does not depend on num_items_in_batch") == 1
+    assert caplog.text.count("is independent of num_items_in_batch") == 1
     assert "zerofix.loss_is_scaled_for_ga(trainer)" in caplog.text
     import zerofix
 

@@ -77,7 +77,8 @@ def unpatched_factor(guess: bool, has_labels: bool, reads: bool | None) -> float
                                  average_tokens=release >= (4, 49), loss_is_scaled_for_ga=None, processes=1, gas=GAS,
                                  window=GAS)
     accelerate = GAS if (5, 2) <= release[:2] and release < (5, 5, 4) else 1
-    call = scaling.call_of(release, facts, reads_num_items=reads if facts.num_items else None, stated=False,
+    verdict = (num_items_watch.DIVIDED if reads else num_items_watch.INDEPENDENT) if reads is not None else None
+    call = scaling.call_of(release, facts, verdict=verdict if facts.num_items else None, stated=False,
                            base_ran=True, deepspeed=False, scale_wrt_gas=False, accelerate_steps=accelerate)
     return float(scaling.applied_factor(call, scaling.Plan()))
 
@@ -97,10 +98,14 @@ def survey() -> list[tuple[str, ...]]:
             batch = inputs()
             reads = None
             if takes:
-                watched = num_items_watch.watched(torch.tensor(B * T))
-                with torch.no_grad():
-                    model(**batch, num_items_in_batch=watched)
-                reads = num_items_watch.reads() > 0
+                watched = num_items_watch.watch(torch.tensor(B * T))
+                try:
+                    with torch.no_grad():
+                        out = model(**batch, num_items_in_batch=watched)
+                    verdict = num_items_watch.decide(out.loss)
+                finally:
+                    num_items_watch.close()
+                reads = verdict.state != num_items_watch.INDEPENDENT
             loss = "no **kwargs" if not takes else ("reads the count" if reads else "ignores the count")
             if takes and "labels" not in batch:
                 loss += " (no `labels`: the Trainer counts nothing)"

@@ -438,7 +438,10 @@ def _check(hidden, weight, labels, bias, reduction, chunk_size, label_smoothing,
 def _items(num_items_in_batch, dtype) -> float:
     """num_items_in_batch as a float: a count of tokens, so finite and >= 0 (0: loss 0, gradient 0), and
     large enough that 1 / num_items_in_batch is representable in the accumulation dtype."""
-    value = float(num_items_in_batch)
+    # A tensor count is read through the Trainer entry's watch when it is watched (zerofix.num_items_watch): a read
+    # that only validates, which the watch must not take for a route of the count into the loss.
+    peek = getattr(type(num_items_in_batch), "zerofix_value", None)
+    value = float(peek(num_items_in_batch) if peek is not None else num_items_in_batch)
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"num_items_in_batch={value!r}: must be a finite count >= 0 (the number of tokens the "
                          "loss is averaged over; 0 gives loss 0 and a zero gradient)")
@@ -474,6 +477,8 @@ def _run(hidden, weight, labels, bias, *, ignore_index, reduction, num_items_in_
         else:
             denom = n_valid if num_items_in_batch is None else _items(num_items_in_batch, weight.dtype)
             weight_scale = 1.0 / denom if denom > 0 else 0.0  # no counted token anywhere: loss 0, gradient 0
+            if isinstance(num_items_in_batch, torch.Tensor) and denom > 0:
+                weight_scale = 1.0  # the sum, divided by the count tensor below (where a watch sees the division)
         opt = _Options(chunk_size or default_chunk_size(vocab, weight.device.type), float(label_smoothing),
                        logit_softcap, float(z_loss), float(logit_scale), weight_scale, stats,
                        torch.promote_types(weight.dtype, torch.float32))
@@ -482,14 +487,13 @@ def _run(hidden, weight, labels, bias, *, ignore_index, reduction, num_items_in_
         full = out.new_zeros(flat_labels.shape)
         full = full.masked_scatter(valid, out) if n_valid else full + out.sum() * 0
         out = full.view(labels.shape)
+    if reduction == "mean" and isinstance(num_items_in_batch, torch.Tensor) and weight_scale == 1.0:
+        # The sum divided by the count as a tensor, as transformers' own loss does: whoever follows the count through
+        # torch operations (the Trainer entry's watch, zerofix.num_items_watch) sees the loss divided by it.
+        out = out / num_items_in_batch.detach().to(out.device, out.dtype)
     if out_dtype is None:  # a scalar loss of low-precision inputs stays float32 (its accuracy: plain's under autocast)
         out_dtype = torch.float32 if reduction != "none" and hidden.dtype in _LOW_PRECISION else hidden.dtype
     out = out.to(out_dtype)
-    if reduction == "mean" and isinstance(num_items_in_batch, torch.Tensor):
-        # The value is divided by the count inside the kernel, as a Python float: make that visible to whoever follows
-        # the count through torch operations (the Trainer entry's watch, zerofix.num_items_watch). count x 0 is an
-        # exact 0, so the loss keeps every bit.
-        out = out + num_items_in_batch.detach().to(out.device, out.dtype) * 0
     # The scatter of dh back to the ignored positions is autograd's (the indexing above), so ignored
     # positions get an exact zero gradient.
     return out, ChunkedStats(correct, entropy, torch.tensor(n_valid, device=hidden.device))

@@ -77,19 +77,20 @@ class Call(NamedTuple):
     downstream: int  # what accelerate (no DeepSpeed) or the engine (scale_wrt_gas) divides by afterwards
 
 
-def call_of(version: tuple[int, ...], facts: TrainerFacts, *, reads_num_items: bool | None, stated: bool,
+def call_of(version: tuple[int, ...], facts: TrainerFacts, *, verdict: str | None, stated: bool,
             base_ran: bool, deepspeed: bool, scale_wrt_gas: bool, accelerate_steps: int,
             statement: bool | None = None) -> Call:
-    """The Call of one backward. ``reads_num_items``: the verdict of the watch (None: none yet);
-    ``stated``: someone said, rather than the Trainer guessed, what the loss is; ``base_ran``: the base
-    Trainer.compute_loss ran; ``accelerate_steps``: what accelerate divides by without DeepSpeed (one process,
-    DDP, FSDP1, FSDP2: the same ``Accelerator.backward``); ``statement``: the user's own
-    (``zerofix.loss_is_scaled_for_ga``): True, the loss is per window already; it wins over everything."""
+    """The Call of one backward. ``verdict``: what the loss does with the count (``zerofix.num_items_watch``:
+    "divided", "independent" or "unknown"; None: none yet); ``stated``: someone said, rather than the Trainer
+    guessed, what the loss is; ``base_ran``: the base Trainer.compute_loss ran; ``accelerate_steps``: what
+    accelerate divides by without DeepSpeed (one process, DDP, FSDP1, FSDP2: the same ``Accelerator.backward``);
+    ``statement``: the user's own (``zerofix.loss_is_scaled_for_ga``): True, the loss is per window already; it wins
+    over everything. An unknown verdict is never acted on: the caller follows upstream (``acts_on``)."""
     believed = trainer_believes_scaled(version, facts)
-    # The measurement only demotes: a loss the Trainer believes per window that never read the count is a
+    # The measurement only demotes: a loss the Trainer believes per window that is independent of the count is a
     # mean, and so is one that got no count (a batch without ``labels``: what the Trainer itself concludes from
     # 4.54 on; 4.46-4.53 skip the division anyway). A loss the Trainer divides is left to the Trainer.
-    mean = not believed or (not stated and (not facts.num_items or reads_num_items is False))
+    mean = not believed or (not stated and (not facts.num_items or verdict == "independent"))
     if statement is not None:
         mean = not statement
     downstream = (facts.gas if scale_wrt_gas else 1) if deepspeed else accelerate_steps
@@ -97,6 +98,13 @@ def call_of(version: tuple[int, ...], facts: TrainerFacts, *, reads_num_items: b
                 world_multiplied=world_multiplier(version, facts) if base_ran else 1,
                 trainer_divided=trainer_division(version, facts),
                 window=facts.window, downstream=downstream)
+
+
+def acts_on(verdict: str | None, *, stated: bool, statement: bool | None, num_items: bool) -> bool:
+    """Whether a plan may change this backward: always where someone stated what the loss is, or where no count was
+    handed (nothing can have normalised the loss); otherwise only on a decided verdict (divided or independent),
+    never on an unknown one."""
+    return stated or statement is not None or not num_items or verdict in ("divided", "independent")
 
 
 class Plan(NamedTuple):

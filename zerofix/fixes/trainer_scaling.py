@@ -81,13 +81,13 @@ class Known:
     """What zerofix knows of one trainer, kept beside it (a weak mapping), never on the user's object. What
     depends on the model, the loss function or the arguments is read again at every ``train()`` (``run``)."""
 
-    __slots__ = ("run", "path", "compiled", "reads", "window", "stated", "statement", "details", "plans", "warned")
+    __slots__ = ("run", "path", "compiled", "verdict", "window", "stated", "statement", "details", "plans", "warned")
 
     def __init__(self):
         self.run = None  # trainer.state of the run the facts below were read in (a new one at every train())
         self.path = None  # paths.Path of this run
         self.compiled = False  # the model runs under torch.compile: not watched (the belief stands)
-        self.reads = None  # this step's verdict: the loss depends on num_items_in_batch (None: not watched)
+        self.verdict = None  # this step's num_items_watch.Verdict (None: none yet)
         self.window = None  # micro-batches of the current window, as get_batch_samples fetched them
         self.stated = None  # stated(trainer), read once a run: inspect.signature costs microseconds
         self.statement = None  # zerofix.loss_is_scaled_for_ga(trainer, value): the user's own statement
@@ -107,13 +107,14 @@ def known(trainer) -> Known:
 
 
 class TrainerStep:
-    __slots__ = ("trainer", "num_items", "watching", "base_ran", "handled", "aux", "call", "plan")
+    __slots__ = ("trainer", "num_items", "watching", "base_ran", "handled", "aux", "accounted", "call", "plan")
 
     def __init__(self, trainer, num_items, watching):
         self.trainer, self.num_items, self.watching = trainer, num_items, watching
         self.base_ran = False  # the base Trainer.compute_loss ran (and multiplied by the processes if it does)
         self.handled = False
         self.aux = None  # (auxiliary loss, coefficient) of an MoE model: transformers-moe-aux-loss
+        self.accounted = None  # tensor -> bool: an undivided term of the loss that entry weights (its router term)
         self.call = self.plan = None  # this step's scaling.Call and Plan, once backward has them
 
 
@@ -195,26 +196,26 @@ def training_step(wrapped, trainer, args, kwargs):
     # this step's, so a loss that starts reading the count later, or a new model, is seen as it is.
     watching = num_items is not None and not state.compiled
     if watching:
-        args, kwargs = _with_num_items(args, kwargs, num_items_watch.watched(
+        args, kwargs = _with_num_items(args, kwargs, num_items_watch.watch(
             num_items_watch.as_tensor_like_release(num_items)))
     accelerator.__dict__[_STEP] = TrainerStep(trainer, num_items, watching)
     try:
         return num_items_watch.unwatched(wrapped(*args, **kwargs))  # the Trainer's running loss stays plain
     finally:
         accelerator.__dict__.pop(_STEP, None)
+        if watching:
+            num_items_watch.close()  # whatever the step kept (a buffer, a running sum, a copy) is plain again
 
 
 def _compiled(trainer, model) -> bool:
-    """Under torch.compile a watched tensor sends the step through another graph (eager where the compiled graph
-    would run: measured, the loss differs in the last bits), so the loss is not watched there: the Trainer's
-    belief is followed, and said once a run."""
-    compiled = bool(getattr(getattr(trainer, "args", None), "torch_compile", False)) or hasattr(model, "_orig_mod")
-    if compiled:
-        _log.warning("zerofix: %s runs under torch.compile: whether its loss depends on num_items_in_batch is not "
-                     "followed there, the Trainer's own belief is followed; set loss_is_scaled_for_ga (transformers "
-                     ">= 5.19), model_accepts_loss_kwargs or zerofix.loss_is_scaled_for_ga(trainer, ...) to say what "
-                     "the loss is", type(trainer).__name__)
-    return compiled
+    """Under torch.compile a watched count cannot be followed: Dynamo cannot trace a tensor subclass that shows it
+    every read (with ``fullgraph=True`` the step would stop), and a watched tensor would send the step through
+    another graph (eager where the compiled graph would run: measured, the loss differs in the last bits). So a
+    compiled model or ``compute_loss_func`` gets the plain count, the verdict is unknown, and upstream's path runs
+    (``backward`` says so at WARNING with the statement that settles it)."""
+    loss_func = getattr(trainer, "compute_loss_func", None)
+    return (bool(getattr(getattr(trainer, "args", None), "torch_compile", False)) or hasattr(model, "_orig_mod")
+            or hasattr(loss_func, "_torchdynamo_orig_callable") or hasattr(loss_func, "_orig_mod"))
 
 
 def _warn_main(trainer, msg: str, *args) -> None:
@@ -232,6 +233,12 @@ def compute_loss(wrapped, trainer, args, kwargs):
 
 
 def get_batch_samples(wrapped, trainer, args, kwargs):
+    accelerator = getattr(trainer, "accelerator", None)
+    if accelerator is not None:
+        try:
+            _training[accelerator] = trainer
+        except TypeError:  # not weak-referenceable: no report of unseen steps
+            pass
     result = wrapped(*args, **kwargs)
     try:
         known(trainer).window = len(result[0])
@@ -297,43 +304,83 @@ def describe(accelerator, step: TrainerStep, kwargs) -> scaling.Call:
         processes=int(accelerator.num_processes), gas=gas, window=int(state.window or gas))
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     return scaling.call_of(
-        release(), facts, reads_num_items=state.reads, stated=_stated_once(trainer), statement=state.statement,
+        release(), facts, verdict=_state_of(state.verdict), stated=_stated_once(trainer), statement=state.statement,
         base_ran=step.base_ran,
         deepspeed=deepspeed, scale_wrt_gas=bool(kwargs.get("scale_wrt_gas", True)),
         accelerate_steps=int(accelerator.gradient_accumulation_steps))
 
 
+def _state_of(verdict) -> str | None:
+    return None if verdict is None else verdict.state
+
+
 def _plan(accelerator, step: TrainerStep, kwargs) -> tuple[scaling.Call, scaling.Plan]:
     """``describe(...)`` and its ``scaling.plan``, computed once per distinct set of facts of a trainer: the facts
     change at a short window and when the verdict changes, not from step to step (a step then costs a few attribute
-    reads)."""
+    reads). On an unknown verdict nobody stated the answer to, the plan is upstream's: no change."""
     trainer, state = step.trainer, known(step.trainer)
     key = (getattr(trainer, "model_accepts_loss_kwargs", None), getattr(trainer, "compute_loss_func", None) is None,
            getattr(trainer, "loss_is_scaled_for_ga", None), step.num_items is None, step.base_ran,
-           state.window, state.reads, state.statement, kwargs.get("scale_wrt_gas", True),
+           state.window, _state_of(state.verdict), state.statement, kwargs.get("scale_wrt_gas", True),
            accelerator.gradient_accumulation_steps, trainer.args.gradient_accumulation_steps)
     if key not in state.plans:
         call = describe(accelerator, step, kwargs)
-        state.plans[key] = (call, scaling.plan(call))
+        acts = scaling.acts_on(_state_of(state.verdict), stated=_stated_once(trainer), statement=state.statement,
+                               num_items=step.num_items is not None)
+        state.plans[key] = (call, scaling.plan(call) if acts else scaling.Plan())
     return state.plans[key]
 
 
-def _record_verdict(step: TrainerStep, reads: bool | None) -> dict:
-    """This step's verdict (``reads``: the loss depends on the count; None: not watched) into the trainer's state
-    and its runtime details."""
+_SAID = {num_items_watch.DIVIDED: "divided by num_items_in_batch",
+         num_items_watch.INDEPENDENT: "independent of num_items_in_batch",
+         num_items_watch.UNKNOWN: "unknown: follows the Trainer's own path"}
+
+
+def _record_verdict(step: TrainerStep, verdict) -> dict:
+    """This step's verdict (a num_items_watch.Verdict) into the trainer's state and its runtime details."""
     trainer, state = step.trainer, known(step.trainer)
-    if state.details is None:
-        state.details = {"trainer": type(trainer).__name__, "loss": "not measured", "stated": _stated_once(trainer),
-                         "backwards": 0, "corrected": 0, "steps_depending": 0, "steps_independent": 0}
-        _details.append(state.details)
-    details = state.details
+    details = _details_of(trainer)
     details["stated"] = _stated_once(trainer)
-    state.reads = reads
-    if reads is not None:
-        details["steps_depending" if reads else "steps_independent"] += 1
-        details["loss"] = "depends on num_items_in_batch" if reads else "does not depend on num_items_in_batch"
+    state.verdict = verdict
+    if verdict is not None:
+        details["steps_" + verdict.state] += 1
+        details["loss"] = _SAID[verdict.state]
+        if verdict.route:
+            details["route"] = verdict.route
     details["backwards"] += 1
     return details
+
+
+def _details_of(trainer) -> dict:
+    """The trainer's runtime_details() entry, made at its first backward."""
+    state = known(trainer)
+    if state.details is None:
+        state.details = {"trainer": type(trainer).__name__, "loss": "not measured", "stated": False,
+                         "backwards": 0, "corrected": 0, "steps_divided": 0, "steps_independent": 0,
+                         "steps_unknown": 0}
+        _details.append(state.details)
+    return state.details
+
+
+def _note(details, warning: str) -> None:
+    if details is not None and warning not in details.setdefault("warnings", []):
+        details["warnings"].append(warning)
+
+
+def _warn_unknown(step: TrainerStep, verdict) -> None:
+    """Once a run, where the verdict is unknown and nobody stated what the loss is: zerofix follows upstream."""
+    trainer, state = step.trainer, known(step.trainer)
+    if state.stated or state.statement is not None or "unknown" in state.warned:
+        return
+    state.warned.add("unknown")
+    _note(state.details, "unknown verdict: upstream's path followed")
+    _warn_main(trainer, "zerofix: whether %s's loss is divided by num_items_in_batch cannot be told: %s. zerofix "
+               "leaves this run to the Trainer's own scaling, which is right only if the Trainer's guess is (it "
+               "believes the loss %s). Say what the loss is: zerofix.loss_is_scaled_for_ga(trainer) if it is divided "
+               "by the count or already divided by gradient_accumulation_steps, zerofix.loss_is_scaled_for_ga(trainer, "
+               "False) if it is a micro-batch mean (or trainer.loss_is_scaled_for_ga on transformers >= 5.19)",
+               type(trainer).__name__, verdict.route,
+               "per window" if step.call is not None and not step.call.loss_is_mean else "a micro-batch mean")
 
 
 def _warn_rescaled(step: TrainerStep, call: scaling.Call) -> None:
@@ -343,19 +390,17 @@ def _warn_rescaled(step: TrainerStep, call: scaling.Call) -> None:
     if not call.loss_is_mean or state.stated:
         return
     state.warned.add("rescaled")
-    if state.details is not None and "rescaled as a mean, unstated" not in state.details.setdefault("warnings", []):
-        state.details["warnings"].append("rescaled as a mean, unstated")
-    how = " (it took the count as a Python number, which cannot be followed)" if num_items_watch.python_reads() else ""
-    _warn_main(trainer, "zerofix: %s's loss does not depend on num_items_in_batch%s: zerofix scales it as a "
+    _note(state.details, "rescaled as a mean, unstated")
+    _warn_main(trainer, "zerofix: %s's loss is independent of num_items_in_batch: zerofix scales it as a "
                "micro-batch mean (averaged over the window's %d micro-batches). If your compute_loss already divides "
-               "it by gradient_accumulation_steps or by that count, state it: zerofix.loss_is_scaled_for_ga(trainer) "
+               "it by gradient_accumulation_steps, state it: zerofix.loss_is_scaled_for_ga(trainer) "
                "(or trainer.loss_is_scaled_for_ga = True on transformers >= 5.19)",
-               type(trainer).__name__, how, call.window)
+               type(trainer).__name__, call.window)
 
 
 def runtime_details() -> list[dict]:
-    """Per trainer seen: whether its loss read num_items_in_batch, whether that was stated, and how many of its
-    backwards zerofix changed (0: every one went through as upstream's)."""
+    """Per trainer seen: the verdicts of its steps (divided, independent, unknown and why), whether what the loss is
+    was stated, and how many of its backwards zerofix changed (0: every one went through as upstream's)."""
     return [dict(d) for d in _details]
 
 
@@ -363,17 +408,31 @@ def reset_runtime() -> None:
     _details.clear()
 
 
+def _verdict(step: TrainerStep, loss):
+    if step.watching:
+        return num_items_watch.decide(loss, accounted=step.accounted or (lambda tensor: False))
+    if step.num_items is None:
+        return None  # no count handed: nothing can have normalised the loss (scaling.call_of)
+    return num_items_watch.Verdict(num_items_watch.UNKNOWN, "the count was handed to torch.compile, which the "
+                                   "watch cannot follow")
+
+
 def backward(wrapped, accelerator, args, kwargs):
     step = accelerator.__dict__.get(_STEP) if accelerator is not None else None
-    if step is None or step.handled:  # not the Trainer's backward, or a second one in the same step
+    if step is None:
+        _unseen(accelerator)
+        return wrapped(*args, **kwargs)
+    if step.handled:  # a second backward in the same step
         return wrapped(*args, **kwargs)
     step.handled = True
     loss = args[0] if args else kwargs["loss"]
-    reads = num_items_watch.depends(loss) if step.watching else None
+    verdict = _verdict(step, loss)
     loss = num_items_watch.unwatched(loss)  # the engine gets a plain tensor: bitwise the same value and graph
-    details = _record_verdict(step, reads)
+    details = _record_verdict(step, verdict)
     step.call, plan = _plan(accelerator, step, kwargs)
     step.plan = plan
+    if verdict is not None and verdict.state == num_items_watch.UNKNOWN:
+        _warn_unknown(step, verdict)
     if plan.changes:
         details["corrected"] += 1
         if "rescaled" not in known(step.trainer).warned:
@@ -393,6 +452,28 @@ def backward(wrapped, accelerator, args, kwargs):
         return wrapped(*args, **kwargs)
     finally:
         accelerator.gradient_accumulation_steps = steps
+
+
+# accelerator -> its trainer, while the trainer's loop fetches windows (get_batch_samples): a backward of that
+# accelerator outside any training_step this entry saw is a step it does not cover
+_training: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+NOT_SEEN = ("not covered: this trainer's training_step does not reach Trainer.training_step (an override without "
+            "super()), so zerofix never sees its steps; the Trainer's own scaling runs unchanged")
+
+
+def _unseen(accelerator) -> None:
+    """A backward of a training trainer's accelerator outside the steps this entry sees: said once per trainer, in the
+    log and in the runtime details (``zerofix status``), so no log claims a fix this run does not get."""
+    trainer = _training.get(accelerator) if accelerator is not None else None
+    if trainer is None:
+        return
+    state = known(trainer)
+    if state.path is not None and not state.path.covered:
+        return  # stood aside on this path, and said so already
+    _details_of(trainer)["covered"] = NOT_SEEN
+    if "unseen" not in state.warned:
+        state.warned.add("unseen")
+        _warn_main(trainer, "zerofix: %s %s", FIX_ID, NOT_SEEN)
 
 
 def loss_is_scaled_for_ga(trainer, value: bool = True) -> None:

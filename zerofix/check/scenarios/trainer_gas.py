@@ -23,7 +23,35 @@ from zerofix.check.session import collect_and_freeze, freeze_once
 # hand-divided: divides the loss by gradient_accumulation_steps itself (the classifier's natural workaround);
 # hand-divided-stated: the same, stated with zerofix.loss_is_scaled_for_ga(trainer);
 # late-count: the first optimizer step returns the micro-batch's token mean, later ones the model's own loss.
-USER_LOSSES = ("logged-count", "deepcopy-count", "hand-divided", "hand-divided-stated", "late-count")
+# Issue 46's rows. The causal LM's token sum divided by the count through a route the watch cannot follow (unknown:
+# upstream's path and a WARNING): torch.tensor(n), torch.from_numpy(n.numpy()), n.item(), a TorchScript division, a
+# compute_loss_func under torch.compile(fullgraph=True); or through one it can (divided): the model's own loss handed
+# copy.deepcopy(n); a micro-batch mean that touches the count without dividing (unknown): + 0 * n, * (n > 0);
+# kept-count: the model's loss, with a buffer, a running sum and the count itself kept by the trainer (their classes
+# after the run are recorded); bypass: a training_step override that calls accelerator.backward itself.
+DIVISOR_ROUTES = ("count-tensor", "count-numpy", "count-item", "count-jit", "compiled-func")
+COUNT_ROWS = DIVISOR_ROUTES + ("deepcopy-model", "plus-zero", "plus-zero-mean", "times-positive", "kept-count",
+                               "bypass")
+USER_LOSSES = ("logged-count", "deepcopy-count", "hand-divided", "hand-divided-stated", "late-count") + COUNT_ROWS
+
+
+def _divide(total, count):
+    return total / count
+
+
+def divisor_loss(route: str, total, count):
+    """The token sum divided by the count through ``route`` (DIVISOR_ROUTES)."""
+    import torch
+
+    if route == "count-tensor":
+        return total / torch.tensor(count)
+    if route == "count-numpy":
+        return total / torch.from_numpy(count.numpy())
+    if route == "count-item":
+        return total / count.item()
+    if route == "count-jit":
+        return torch.jit.script(_divide)(total, count)
+    raise ValueError(route)
 
 
 def parse_args(argv=None):
@@ -209,6 +237,26 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
             if args.loss == "subclass-mean" or (args.loss == "late-count" and self.state.global_step == 0):
                 labels = inputs.pop("labels")  # a user's own loss: the micro-batch's token mean, no super()
                 return models.next_token_ce(model(**inputs).logits, labels, "mean")
+            if args.loss in DIVISOR_ROUTES[:-1]:
+                labels = inputs.pop("labels")
+                return divisor_loss(args.loss, models.next_token_ce(model(**inputs).logits, labels, "sum"), count)
+            if args.loss in ("plus-zero-mean", "times-positive"):
+                labels = inputs.pop("labels")
+                mean = models.next_token_ce(model(**inputs).logits, labels, "mean")
+                return mean + 0 * count if args.loss == "plus-zero-mean" else mean * (count > 0)
+            if args.loss == "plus-zero":
+                return super().compute_loss(model, inputs, *a, **k) + 0 * count
+            if args.loss == "deepcopy-model":
+                return super().compute_loss(model, inputs, num_items_in_batch=copy.deepcopy(count))
+            if args.loss == "kept-count":
+                self.zerofix_kept = getattr(self, "zerofix_kept", {"norm": torch.zeros(()),
+                                                                   "seen": torch.zeros((), dtype=count.dtype)})
+                self.zerofix_kept["norm"].copy_(count)
+                self.zerofix_kept["seen"].add_(count)
+                self.zerofix_kept["count"], self.zerofix_kept["float"] = count, count.double()
+                loss = super().compute_loss(model, inputs, *a, **k)
+                self.zerofix_kept["running"] = self.zerofix_kept.get("running", torch.zeros(())) + loss.detach()
+                return loss
             if args.loss == "logged-count":
                 self.zerofix_logged = (float(count), count.item())
             if args.loss == "deepcopy-count":
@@ -217,6 +265,18 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
             if args.loss.startswith("hand-divided"):
                 loss = loss / self.args.gradient_accumulation_steps
             return loss
+
+        if args.loss == "bypass":
+            def training_step(self, model, inputs, num_items_in_batch=None):
+                """A user's step that never calls Trainer.training_step (issue 46, item 4)."""
+                model.train()
+                loss = self.compute_loss(model, self._prepare_inputs(inputs), num_items_in_batch=num_items_in_batch)
+                self.accelerator.backward(loss)
+                return loss.detach()
+
+    def divided_loss_func(outputs, labels, num_items_in_batch=None):
+        """A compute_loss_func dividing the token sum by the count (compiled below: the compiled-func row)."""
+        return models.next_token_ce(outputs.logits, labels, "sum") / num_items_in_batch
 
     def mean_loss_func(outputs, labels, num_items_in_batch=None):
         """A compute_loss_func that ignores num_items_in_batch: the micro-batch's token mean."""
@@ -273,6 +333,10 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
 
     grad_norms = []  # DeepSpeed's global gradient norm after each optimizer step
     extra = {"compute_loss_func": mean_loss_func} if args.loss == "func-mean" else {}
+    if args.loss == "compiled-func":
+        # backend="eager": the entry hands any compiled loss function the plain count whatever the backend (Inductor
+        # would add a C++ build of tens of seconds per run)
+        extra = {"compute_loss_func": torch.compile(divided_loss_func, fullgraph=True, backend="eager")}
     if args.dispatch:  # accelerate's device hooks on every layer, as device_map="auto" sets them (issue 40)
         from accelerate import dispatch_model
 
@@ -295,6 +359,8 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         "device": str(next(trainer.model_wrapped.parameters()).device),
         # fp16's loss scaling skips a step whose gradients overflow: an update of 0 is then no verdict on the loss
         "step_skipped": bool(getattr(trainer.accelerator, "optimizer_step_was_skipped", False)),
+        # what the trainer kept from its steps (the kept-count row): each one's class after the run
+        "kept_types": {k: type(v).__name__ for k, v in getattr(trainer, "zerofix_kept", {}).items()},
     }
     (vdir / f"rank{rank}.json").write_text(json.dumps(record))
 
