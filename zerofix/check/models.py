@@ -8,7 +8,12 @@ The model kinds cover the Trainer's normalisation paths:
   micro-batch's samples: the Trainer's guess from the signature is wrong for them;
 - ``peft-seq-cls-llama``: the Llama classifier wrapped by PEFT (LoRA), where peft is installed;
 - ``moe``: a transformers MixtralForCausalLM with ``output_router_logits`` and ``router_aux_loss_coef`` 0.5: its
-  loss is the normalised cross-entropy plus the coefficient times the micro-batch's router load-balancing loss.
+  loss is the normalised cross-entropy plus the coefficient times the micro-batch's router load-balancing loss;
+- ``nokw-llama``: the causal LM with the class attribute ``accepts_loss_kwargs = False`` (what 29 generation heads
+  of transformers 5.23 say): the Trainer neither counts nor passes the count, though the forward would divide by it;
+- ``own-mean-llama``: the same flag, and a forward that drops the count (its loss is its own token mean);
+- ``vlm`` / ``vlm-image``: a tiny Qwen2_5_VLForConditionalGeneration (the flag False from transformers), on text-only
+  samples, or on samples carrying one 2x2-patch image whose tokens are labelled -100.
 A sequence-level kind's samples carry one class label each (``TASK``).
 """
 from __future__ import annotations
@@ -23,7 +28,12 @@ VOCAB = 64
 SEQ = 12
 IGNORE = -100
 NUM_LABELS = 3
-MODEL_KINDS = ("causal-lm", "custom", "seq-cls-llama", "seq-cls-bert", "peft-seq-cls-llama", "moe")
+MODEL_KINDS = ("causal-lm", "custom", "seq-cls-llama", "seq-cls-bert", "peft-seq-cls-llama", "moe", "nokw-llama",
+               "own-mean-llama", "vlm", "vlm-image")
+# The tiny VLM's image: tokens 1..6 of a sample are <vision_start>, four image tokens (one per 2x2 patch) and
+# <vision_end>; its pixels are 4 patches of 3 x 2 x 2 values.
+IMAGE_TOKEN, VISION_START, VISION_END, VIDEO_TOKEN = 60, 62, 63, 61
+IMAGE_PATCHES, PATCH_VALUES = 4, 12
 MOE_AUX_COEF = 0.5
 SEQUENCE_KINDS = ("seq-cls-llama", "seq-cls-bert", "peft-seq-cls-llama")
 
@@ -37,6 +47,8 @@ def task_of(kind: str) -> str:
         from pathlib import Path
 
         return json.loads(Path(kind[3:]).read_text()).get("_zerofix_task", "token")
+    if kind == "vlm-image":
+        return "image"
     return "sequence" if kind in SEQUENCE_KINDS else "token"
 
 
@@ -106,6 +118,10 @@ def build_model(kind: str, seed: int = 0, *, loss_only: bool = False) -> nn.Modu
             model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                      task_type="SEQ_CLS", init_lora_weights=False))
         return model
+    if kind in ("nokw-llama", "own-mean-llama"):
+        return _no_count_llama(kind)
+    if kind in ("vlm", "vlm-image"):
+        return _tiny_vlm()
     if kind == "moe":
         from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -130,6 +146,53 @@ def build_model(kind: str, seed: int = 0, *, loss_only: bool = False) -> nn.Modu
     raise ValueError(f"unknown model kind {kind!r}; choose from {MODEL_KINDS}")
 
 
+def _llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       tie_word_embeddings=False, attn_implementation="eager", num_labels=NUM_LABELS)
+
+
+def _no_count_llama(kind: str) -> nn.Module:
+    """LlamaForCausalLM saying ``accepts_loss_kwargs = False``; ``own-mean-llama`` also drops the count."""
+    from transformers import LlamaForCausalLM
+
+    class NoCountLlamaForCausalLM(LlamaForCausalLM):
+        accepts_loss_kwargs = False
+
+    class OwnMeanLlamaForCausalLM(NoCountLlamaForCausalLM):
+        def forward(self, *args, num_items_in_batch=None, **kwargs):
+            return super().forward(*args, **kwargs)  # its loss: its own token mean, whatever it is handed
+
+    cls = NoCountLlamaForCausalLM if kind == "nokw-llama" else OwnMeanLlamaForCausalLM
+    return cls(_llama_config())
+
+
+def _tiny_vlm() -> nn.Module:
+    """A tiny Qwen2_5_VLForConditionalGeneration whose forward takes the collated image arrays as stacked per sample
+    (``models.stack``) and flattens them as the real processor's output is."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    class TinyQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
+        def forward(self, *args, pixel_values=None, image_grid_thw=None, **kwargs):
+            if pixel_values is not None and pixel_values.dim() == 3:  # (batch, patches, values) -> (patches, values)
+                pixel_values, image_grid_thw = pixel_values.flatten(0, 1), image_grid_thw.flatten(0, 1)
+            return super().forward(*args, pixel_values=pixel_values, image_grid_thw=image_grid_thw, **kwargs)
+
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, tie_word_embeddings=False,
+                         bos_token_id=None, eos_token_id=None, attn_implementation="eager"),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           patch_size=2, spatial_merge_size=1, temporal_patch_size=1, in_channels=3, window_size=4,
+                           fullatt_block_indexes=[0]),
+        image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END, tie_word_embeddings=False, attn_implementation="eager")
+    return TinyQwen2_5_VL(config)
+
+
 def sample(index: int, seed: int = 0, task: str = "token") -> dict:
     """Sample ``index``: random tokens of a random length (so micro-batches count different numbers
     of tokens), right-padded. Labels ignore the padding and position 0: the Trainer counts unshifted
@@ -143,6 +206,16 @@ def sample(index: int, seed: int = 0, task: str = "token") -> dict:
     labels[0] = IGNORE
     if task == "sequence":  # one class per sample, from its tokens
         labels = torch.tensor(int(ids.sum()) % NUM_LABELS)
+    if task == "image":  # an image in front: its tokens, never predicted
+        ids = ids.clamp(max=IMAGE_TOKEN - 1) * mask
+        ids[1:7] = torch.tensor([VISION_START] + [IMAGE_TOKEN] * IMAGE_PATCHES + [VISION_END])
+        length = max(length, 8)
+        mask = (torch.arange(SEQ) < length).long()
+        labels = ids.masked_fill(mask == 0, IGNORE)
+        labels[:7] = IGNORE
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels,
+                "pixel_values": torch.randn(IMAGE_PATCHES, PATCH_VALUES, generator=g),
+                "image_grid_thw": torch.tensor([[1, 2, 2]])}
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
@@ -157,7 +230,7 @@ def collate(indices, seed: int = 0, task: str = "token") -> dict:
 
 def loss_sum(kind: str, model: nn.Module, batch: dict) -> tuple[torch.Tensor, int]:
     """(sum of the counted items' losses, number of counted items) of one micro-batch, by the kind's task."""
-    if task_of(kind) == "token":
+    if task_of(kind) != "sequence":
         return token_loss_sum(model, batch)
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     logits = out["logits"] if isinstance(out, dict) else out.logits
@@ -185,7 +258,8 @@ def moe_losses(model: nn.Module, batch: dict) -> tuple[torch.Tensor, int, torch.
 
 def token_loss_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, int]:
     """(sum of next-token cross-entropies, number of counted tokens) of one micro-batch."""
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    extra = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}  # a VLM sample's image
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra)
     logits = out["logits"] if isinstance(out, dict) else out.logits
     return next_token_ce(logits, batch["labels"], "sum"), int((batch["labels"][:, 1:] != IGNORE).sum())
 

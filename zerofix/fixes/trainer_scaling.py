@@ -81,13 +81,15 @@ class Known:
     """What zerofix knows of one trainer, kept beside it (a weak mapping), never on the user's object. What
     depends on the model, the loss function or the arguments is read again at every ``train()`` (``run``)."""
 
-    __slots__ = ("run", "path", "compiled", "verdict", "window", "stated", "statement", "details", "plans", "warned")
+    __slots__ = ("run", "path", "compiled", "verdict", "window", "stated", "statement", "details", "plans", "warned",
+                 "handing")
 
     def __init__(self):
         self.run = None  # trainer.state of the run the facts below were read in (a new one at every train())
         self.path = None  # paths.Path of this run
         self.compiled = False  # the model runs under torch.compile: not watched (the belief stands)
         self.verdict = None  # this step's num_items_watch.Verdict (None: none yet)
+        self.handing = None  # the model class whose count the Trainer never hands, while zerofix hands it
         self.window = None  # micro-batches of the current window, as get_batch_samples fetched them
         self.stated = None  # stated(trainer), read once a run: inspect.signature costs microseconds
         self.statement = None  # zerofix.loss_is_scaled_for_ga(trainer, value): the user's own statement
@@ -107,7 +109,8 @@ def known(trainer) -> Known:
 
 
 class TrainerStep:
-    __slots__ = ("trainer", "num_items", "watching", "base_ran", "handled", "aux", "accounted", "call", "plan")
+    __slots__ = ("trainer", "num_items", "watching", "base_ran", "handled", "aux", "accounted", "call", "plan",
+                 "handed")
 
     def __init__(self, trainer, num_items, watching):
         self.trainer, self.num_items, self.watching = trainer, num_items, watching
@@ -116,6 +119,7 @@ class TrainerStep:
         self.aux = None  # (auxiliary loss, coefficient) of an MoE model: transformers-moe-aux-loss
         self.accounted = None  # tensor -> bool: an undivided term of the loss that entry weights (its router term)
         self.call = self.plan = None  # this step's scaling.Call and Plan, once backward has them
+        self.handed = False  # zerofix had the Trainer hand the model the count (count_never_handed)
 
 
 _release = None
@@ -181,6 +185,62 @@ def _new_run(trainer, state: Known, model) -> None:
     if not state.path.covered and paths.stood_aside(FIX_ID, state.path):  # the Trainer's log line: trainer_report
         _log.info("zerofix: %s stands aside on this run, %s: the Trainer's own scaling runs unchanged "
                   "(zerofix models one process, DDP, DeepSpeed ZeRO-0..3, FSDP1 and FSDP2)", FIX_ID, state.path)
+    state.handing = count_never_handed(trainer, model) if state.path.covered and not state.compiled else None
+    if state.handing:
+        _details_of(trainer)["count_handed"] = state.handing
+        _warn_main(trainer, "zerofix: %s says accepts_loss_kwargs = False, so the Trainer neither counts nor passes "
+                   "num_items_in_batch and averages the micro-batches' means (uneven label counts weigh micro-batches "
+                   "unequally); zerofix has the Trainer count and pass it, and follows at every step that the loss is "
+                   "divided by it (zerofix.loss_is_scaled_for_ga(trainer, False) keeps the mean of means)",
+                   state.handing)
+
+
+def count_never_handed(trainer, model) -> str | None:
+    """The model class whose count the Trainer never hands although its forward takes it (issue 47), or None.
+
+    The Trainer counts and passes ``num_items_in_batch`` only when ``model_accepts_loss_kwargs``, which it reads from
+    the model's ``accepts_loss_kwargs``. 29 generation heads of transformers 5.23 set that to False (Qwen2.5/3-VL,
+    Qwen3.5, Gemma 4, GLM-4V, ...) while their forwards hand ``**kwargs`` to a ``loss_function`` that divides by the
+    count: their update is a mean of micro-batch means. Whether the loss is divided by the count when handed one is
+    decided at every step from behaviour (the verdict); this only names the candidates: the flag False on the model's
+    class, a forward taking ``**kwargs``, and nobody's word otherwise (a compute_loss_func, a label smoother, a
+    statement, transformers' or zerofix's ``loss_is_scaled_for_ga``). transformers >= 4.54 (the count's rules read
+    here)."""
+    if release() < (4, 54) or getattr(trainer, "model_accepts_loss_kwargs", True) is not False:
+        return None
+    if getattr(trainer, "compute_loss_func", None) is not None or getattr(trainer, "label_smoother", None) is not None:
+        return None
+    if getattr(trainer, "loss_is_scaled_for_ga", None) is not None or known(trainer).statement is not None:
+        return None
+    try:
+        inner = _unwrap_peft(trainer.accelerator.unwrap_model(model))
+    except Exception:  # noqa: BLE001 - an exotic wrapper: take the model as it is
+        inner = _unwrap_peft(model)
+    if inspect.getattr_static(type(inner), "accepts_loss_kwargs", None) is not False:
+        return None
+    try:
+        params = inspect.signature(inner.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return type(inner).__name__ if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params) else None
+
+
+class _Handing:
+    """``trainer.model_accepts_loss_kwargs`` True for the length of one Trainer call (counting a window, a step):
+    the Trainer then counts, passes and scales the count as for any model that takes it; outside, the attribute is the
+    Trainer's own."""
+
+    def __init__(self, trainer, on: bool):
+        self.trainer, self.on, self.was = trainer, on, None
+
+    def __enter__(self):
+        if self.on:
+            self.was = self.trainer.model_accepts_loss_kwargs
+            self.trainer.model_accepts_loss_kwargs = True
+
+    def __exit__(self, *exc):
+        if self.on:
+            self.trainer.model_accepts_loss_kwargs = self.was
 
 
 def training_step(wrapped, trainer, args, kwargs):
@@ -198,9 +258,11 @@ def training_step(wrapped, trainer, args, kwargs):
     if watching:
         args, kwargs = _with_num_items(args, kwargs, num_items_watch.watch(
             num_items_watch.as_tensor_like_release(num_items)))
-    accelerator.__dict__[_STEP] = TrainerStep(trainer, num_items, watching)
+    step = accelerator.__dict__[_STEP] = TrainerStep(trainer, num_items, watching)
+    step.handed = bool(state.handing) and num_items is not None
     try:
-        return num_items_watch.unwatched(wrapped(*args, **kwargs))  # the Trainer's running loss stays plain
+        with _Handing(trainer, step.handed):
+            return num_items_watch.unwatched(wrapped(*args, **kwargs))  # the Trainer's running loss stays plain
     finally:
         accelerator.__dict__.pop(_STEP, None)
         if watching:
@@ -239,7 +301,10 @@ def get_batch_samples(wrapped, trainer, args, kwargs):
             _training[accelerator] = trainer
         except TypeError:  # not weak-referenceable: no report of unseen steps
             pass
-    result = wrapped(*args, **kwargs)
+    state = known(trainer)
+    _new_run(trainer, state, getattr(trainer, "model", None))
+    with _Handing(trainer, bool(state.handing)):  # the Trainer counts the window only for a model it hands it to
+        result = wrapped(*args, **kwargs)
     try:
         known(trainer).window = len(result[0])
     except (TypeError, IndexError):
@@ -304,7 +369,7 @@ def describe(accelerator, step: TrainerStep, kwargs) -> scaling.Call:
         processes=int(accelerator.num_processes), gas=gas, window=int(state.window or gas))
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     return scaling.call_of(
-        release(), facts, verdict=_state_of(state.verdict), stated=_stated_once(trainer), statement=state.statement,
+        release(), facts, verdict=_state_of(state.verdict), stated=_stated_once(trainer), statement=_statement(step),
         base_ran=step.base_ran,
         deepspeed=deepspeed, scale_wrt_gas=bool(kwargs.get("scale_wrt_gas", True)),
         accelerate_steps=int(accelerator.gradient_accumulation_steps))
@@ -314,6 +379,15 @@ def _state_of(verdict) -> str | None:
     return None if verdict is None else verdict.state
 
 
+def _statement(step: TrainerStep) -> bool | None:
+    """The statement this step is scaled by: the user's; for a step zerofix handed the count whose loss is not divided
+    by it, "a micro-batch mean" (what the Trainer would have taken it for, had zerofix not handed the count)."""
+    state = known(step.trainer)
+    if step.handed and _state_of(state.verdict) != num_items_watch.DIVIDED:
+        return False
+    return state.statement
+
+
 def _plan(accelerator, step: TrainerStep, kwargs) -> tuple[scaling.Call, scaling.Plan]:
     """``describe(...)`` and its ``scaling.plan``, computed once per distinct set of facts of a trainer: the facts
     change at a short window and when the verdict changes, not from step to step (a step then costs a few attribute
@@ -321,11 +395,11 @@ def _plan(accelerator, step: TrainerStep, kwargs) -> tuple[scaling.Call, scaling
     trainer, state = step.trainer, known(step.trainer)
     key = (getattr(trainer, "model_accepts_loss_kwargs", None), getattr(trainer, "compute_loss_func", None) is None,
            getattr(trainer, "loss_is_scaled_for_ga", None), step.num_items is None, step.base_ran,
-           state.window, _state_of(state.verdict), state.statement, kwargs.get("scale_wrt_gas", True),
+           state.window, _state_of(state.verdict), _statement(step), kwargs.get("scale_wrt_gas", True),
            accelerator.gradient_accumulation_steps, trainer.args.gradient_accumulation_steps)
     if key not in state.plans:
         call = describe(accelerator, step, kwargs)
-        acts = scaling.acts_on(_state_of(state.verdict), stated=_stated_once(trainer), statement=state.statement,
+        acts = scaling.acts_on(_state_of(state.verdict), stated=_stated_once(trainer), statement=_statement(step),
                                num_items=step.num_items is not None)
         state.plans[key] = (call, scaling.plan(call) if acts else scaling.Plan())
     return state.plans[key]
@@ -349,6 +423,22 @@ def _record_verdict(step: TrainerStep, verdict) -> dict:
             details["route"] = verdict.route
     details["backwards"] += 1
     return details
+
+
+def _check_handed(step: TrainerStep, verdict, details) -> None:
+    """A step of a model the Trainer never hands the count, handed it by zerofix: right when the loss is divided by it.
+    Otherwise (its forward computes its own mean, or what it does cannot be told) this step is scaled as the Trainer
+    would have scaled it, a micro-batch mean, and no later step is handed the count: upstream's mean of means, said."""
+    state = known(step.trainer)
+    details["steps_handed"] = details.get("steps_handed", 0) + 1
+    if verdict is not None and verdict.state == num_items_watch.DIVIDED:
+        return
+    name, state.handing, state.plans = state.handing, None, {}
+    details["count_handed"] = f"{name}: stopped, the loss is not divided by the count"
+    _warn_main(step.trainer, "zerofix: %s was handed num_items_in_batch but its loss is %s: the Trainer's mean of "
+               "micro-batch means stays for this run (uneven label counts weigh micro-batches unequally)", name,
+               "independent of it (its forward computes its own mean)" if verdict is not None
+               and verdict.state == num_items_watch.INDEPENDENT else f"unknown ({verdict.route if verdict else ''})")
 
 
 def _details_of(trainer) -> dict:
@@ -429,6 +519,8 @@ def backward(wrapped, accelerator, args, kwargs):
     verdict = _verdict(step, loss)
     loss = num_items_watch.unwatched(loss)  # the engine gets a plain tensor: bitwise the same value and graph
     details = _record_verdict(step, verdict)
+    if step.handed:
+        _check_handed(step, verdict, details)
     step.call, plan = _plan(accelerator, step, kwargs)
     step.plan = plan
     if verdict is not None and verdict.state == num_items_watch.UNKNOWN:
