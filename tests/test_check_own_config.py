@@ -586,3 +586,62 @@ def test_every_configuration_the_project_uses_has_only_known_keys():
                     "zero_allow_untested_optimizer": True, "steps_per_print": 10, "wall_clock_breakdown": False,
                     "gradient_clipping": 0, "zero_force_ds_cpu_optimizer": False, "communication_data_type": "fp32"}):
         assert userconfig.unknown_keys(config) == [], config
+
+
+def test_trainer_report_says_what_the_trainer_entry_decided():
+    """Issues 46 and 47: the Trainer's log names a handed count, a step never seen and an unknown verdict, once."""
+    from zerofix import trainer_report
+    from zerofix.patching import Record
+
+    details = [{"trainer": "Trainer", "steps_unknown": 0, "count_handed": "Qwen2_5_VLForConditionalGeneration"},
+               {"trainer": "MyTrainer", "steps_unknown": 1, "covered": "not covered: this trainer's training_step ..."},
+               {"trainer": "Other", "steps_unknown": 2, "route": "the count left the watch as a Python number"}]
+    records = [Record("transformers-trainer-scaling", "applied", "transformers", "5.23.0", "", "", tuple(details))]
+    seen = set()
+    lines = trainer_report.verdict_lines(records, seen)
+    assert len(lines) == 3 and trainer_report.verdict_lines(records, seen) == []
+    assert "never hands num_items_in_batch to Qwen2_5_VLForConditionalGeneration" in lines[0]
+    assert "not covered" in lines[1] and "Python number" in lines[2]
+
+
+QWEN2_5_VL = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+              "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+              "vision_end_token_id": 151653, "tie_word_embeddings": False,
+              "text_config": {"model_type": "qwen2_5_vl_text", "hidden_size": 3584, "intermediate_size": 18944,
+                              "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                              "vocab_size": 152064, "max_position_embeddings": 128000, "bos_token_id": 151643,
+                              "eos_token_id": 151645, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+                              "rope_theta": 1000000.0},
+              "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                                "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
+                                "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]}}
+
+
+def test_model_builds_a_tiny_vision_language_model(tmp_path):
+    """Issue 47: a composite config (text and vision towers) is shrunk tower by tower; the class keeps its
+    ``accepts_loss_kwargs = False``, and text-only samples train it."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from zerofix.check import models, usermodel
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_5_VL))
+    kind, described = usermodel.prepare(tmp_path / "config.json", tmp_path / "work")
+    assert described["class"] == "Qwen2_5_VLForConditionalGeneration" and described["parameters"] < 200_000
+    model = models.build_model(kind, seed=0)
+    assert type(model).accepts_loss_kwargs is False
+    loss_sum, count = models.loss_sum(kind, model, models.collate([0, 1]))
+    assert count > 0 and torch.isfinite(loss_sum)
+
+
+@pytest.mark.distributed
+@pytest.mark.stack("latest")
+def test_own_configuration_with_a_vision_language_model_on_latest(tmp_path):
+    """Issue 47, the doctor: ZeRO-2 with the user's Qwen2.5-VL, which the Trainer never hands the count: unpatched the
+    mean of micro-batch means, patched the window's token mean (transformers-trainer-scaling hands it the count)."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_5_VL))
+    document = check_json(tmp_path, "--deepspeed", write(tmp_path, "ds.json", {**ZERO2, "gradient_clipping": 0}),
+                          "--model", str(tmp_path / "config.json"), "--only", "trainer-causal-lm")
+    assert verdicts(document) == {"trainer-causal-lm": "fixed by transformers-trainer-scaling"}
+    row = document["scenarios"][0]
+    assert row["unpatched"]["rel_err"] > 0.05 and row["patched"]["rel_err"] < 1e-5, row

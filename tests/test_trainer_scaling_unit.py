@@ -233,3 +233,72 @@ def test_the_router_term_is_found_through_copies_and_nowhere_else():
     assert not any(moe._reaches(without, copy) for copy in copies.values())
     # the router's own input feeds the loss too (as routing weights feed the experts): still not the term
     assert not moe._reaches(ce + router.float().sum(), aux.float())
+
+
+class NoCountModel(KwargsModel):
+    accepts_loss_kwargs = False  # what 29 generation heads of transformers 5.23 say
+
+
+def no_count_trainer():
+    t = trainer()
+    t.model, t.model_accepts_loss_kwargs, t.label_smoother = NoCountModel(), False, None
+    return t
+
+
+def test_a_head_that_says_it_takes_no_count_is_handed_one_unless_someone_said_otherwise():
+    """Issue 47: the candidates, and the user's explicit word winning over them."""
+    t = no_count_trainer()
+    assert fix.count_never_handed(t, t.model) == "NoCountModel"
+    t.model_accepts_loss_kwargs = True  # set after the Trainer was built: the Trainer counts by itself
+    assert fix.count_never_handed(t, t.model) is None
+    t = no_count_trainer()
+    t.loss_is_scaled_for_ga = False  # transformers >= 5.19's statement
+    assert fix.count_never_handed(t, t.model) is None
+    t = no_count_trainer()
+    import zerofix
+
+    zerofix.loss_is_scaled_for_ga(t, False)  # zerofix's: a micro-batch mean, keep the mean of means
+    assert fix.count_never_handed(t, t.model) is None
+    t = no_count_trainer()
+    t.compute_loss_func = lambda outputs, labels, num_items_in_batch=None: outputs
+    assert fix.count_never_handed(t, t.model) is None
+    t = no_count_trainer()
+    t.model = KwargsModel()  # no flag: the Trainer reads the signature and hands the count itself
+    assert fix.count_never_handed(t, t.model) is None
+
+
+def test_the_trainer_counts_and_passes_only_inside_its_own_calls():
+    """The flag is the Trainer's own outside get_batch_samples and training_step (callbacks read False)."""
+    t = no_count_trainer()
+    seen = []
+    fix.get_batch_samples(lambda *a, **k: (seen.append(t.model_accepts_loss_kwargs), ([{}], torch.tensor(8)))[1],
+                          t, (iter(()), 1), {})
+    assert seen == [True] and t.model_accepts_loss_kwargs is False
+
+    def step(model, inputs, num_items_in_batch):
+        seen.append(t.model_accepts_loss_kwargs)
+        fix.backward(lambda loss: loss, t.accelerator, (torch.tensor(24.0) / num_items_in_batch,), {})
+        return torch.tensor(0.0)
+
+    fix.training_step(step, t, (t.model, {}, torch.tensor(8)), {})
+    assert seen == [True, True] and t.model_accepts_loss_kwargs is False
+    details = fix.runtime_details()[-1]
+    assert details["count_handed"] == "NoCountModel" and details["steps_handed"] == 1
+
+
+def test_a_handed_head_whose_loss_ignores_the_count_gets_the_mean_of_means_back(caplog):
+    """Its forward computes its own mean: this step scaled as the Trainer would have (1 / window), no later step is
+    handed the count, and a WARNING names the class."""
+    t = no_count_trainer()
+    fix.get_batch_samples(lambda *a, **k: ([{}] * 4, torch.tensor(8)), t, (iter(()), 4), {})
+    engine = []
+
+    def step(model, inputs, num_items_in_batch):
+        fix.backward(lambda loss: engine.append(loss), t.accelerator, (torch.tensor(1.0),), {})
+        return torch.tensor(0.0)
+
+    with caplog.at_level(logging.WARNING, logger="zerofix"):
+        fix.training_step(step, t, (t.model, {}, torch.tensor(8)), {})
+    assert engine[0].item() == 0.25  # the micro-batch mean over the window's 4 micro-batches
+    assert fix.known(t).handing is None and "stopped" in fix.runtime_details()[-1]["count_handed"]
+    assert "NoCountModel was handed num_items_in_batch but its loss is independent of it" in caplog.text

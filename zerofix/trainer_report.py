@@ -6,7 +6,8 @@ through transformers' logger (so ``log_level`` / ``log_level_replica`` and the r
 - at the start of training, once: which fixes act on this run's path (the Trainer's own, DeepSpeed's when it
   trains through DeepSpeed, TRL's when TRL is in use), on which releases, and the others applied in the process;
 - after the first optimizer step, once per DeepSpeed engine: whether zerofix's accumulation fix took it over,
-  and why;
+  and why; and per trainer what the Trainer entry decided: the count handed to a head the Trainer never hands it,
+  a step it never sees ("not covered"), an unknown verdict and its route;
 - at the end: every warning zerofix's wrappers issued (a window shorter than the config's GAS, a checkpoint
   in the middle of a window), each once (the wrappers themselves already warned when it happened).
 
@@ -124,6 +125,30 @@ def engine_lines(records, seen: set) -> list[str]:
     return lines
 
 
+def verdict_lines(records, seen: set) -> list[str]:
+    """What transformers-trainer-scaling decided for each trainer, once each (``seen`` is updated): the count handed to
+    a head whose Trainer never hands it (issue 47), steps it never sees ("not covered"), an unknown verdict and why."""
+    lines = []
+    for record in records:
+        for trainer in record.runtime or ():
+            if "trainer" not in trainer or "steps_unknown" not in trainer:
+                continue
+            name = trainer["trainer"]
+            said = {
+                "count_handed": lambda v: f"zerofix: {record.id} acts on {name} because the Trainer never hands "
+                                          f"num_items_in_batch to {v}",
+                "covered": lambda v: f"zerofix: {record.id} on {name}: {v}",
+                "route": lambda v: f"zerofix: {record.id} on {name}: the verdict is unknown ({v}); the Trainer's "
+                                   "own scaling runs unchanged",
+            }
+            for key, line in said.items():
+                value = trainer.get(key)
+                if value and (record.id, name, key, value) not in seen:
+                    seen.add((record.id, name, key, value))
+                    lines.append(line(value))
+    return lines
+
+
 def warning_lines(records, seen: set) -> list[str]:
     lines = []
     for record in records:
@@ -169,6 +194,7 @@ def _build_class():
             self._stepped = False
             self._engines: set = set()
             self._warnings: set = set()
+            self._verdicts: set = set()
 
         def on_train_begin(self, args, state, control, **kwargs):
             if state.is_world_process_zero and not self._started:
@@ -184,13 +210,15 @@ def _build_class():
             # after the first optimizer step only: the engines exist and the DeepSpeed fix has decided
             if state.is_world_process_zero and not self._stepped:
                 self._stepped = True
-                for line in engine_lines(_records(), self._engines):
+                records = _records()
+                for line in engine_lines(records, self._engines) + verdict_lines(records, self._verdicts):
                     logger.warning(line)
 
         def on_train_end(self, args, state, control, **kwargs):
             if state.is_world_process_zero:
                 records = _records()
-                for line in engine_lines(records, self._engines) + warning_lines(records, self._warnings):
+                for line in (engine_lines(records, self._engines) + verdict_lines(records, self._verdicts)
+                             + warning_lines(records, self._warnings)):
                     logger.warning(line)
 
     ZerofixCallback.__module__ = __name__

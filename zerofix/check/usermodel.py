@@ -55,17 +55,15 @@ def shrink(path) -> dict:
         raise ConfigError(f"--model {source}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise ConfigError(f"--model {source}: no model_type; give a Hugging Face model's config.json")
-    if isinstance(config.get("text_config"), dict):
-        raise ConfigError(f"--model {source}: a composite model ({config['model_type']}, with a text_config); "
-                          "zerofix check builds causal LMs: give the config of the language model")
-    shrunk = {k: v for k, v in config.items() if k not in DROPPED}
-    for names, value in SHRINK.items():
-        for name in names:
-            if name in shrunk and shrunk[name] is not None:
-                shrunk[name] = value
-    layers = shrunk.get("num_hidden_layers", shrunk.get("n_layer", 2))
-    if isinstance(shrunk.get("layer_types"), list):  # per-layer attention kinds (Qwen2, Gemma, ...)
-        shrunk["layer_types"] = shrunk["layer_types"][:layers]
+    shrunk = _shrunk_sizes({k: v for k, v in config.items() if k not in DROPPED})
+    for tower in TOWERS:  # a multimodal model (issue 47: the VLMs the Trainer never hands the count): one small layer
+        if isinstance(shrunk.get(tower), dict):
+            shrunk[tower] = _shrunk_tower(shrunk[tower])
+    if isinstance(shrunk.get("text_config"), dict):
+        shrunk["text_config"] = _shrunk_sizes(dict(shrunk["text_config"]))
+        for name, value in list(shrunk["text_config"].items()):
+            if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+                shrunk["text_config"][name] = 0.0
     for name, value in SPECIAL_TOKENS.items():
         if name in shrunk:
             shrunk[name] = value
@@ -79,6 +77,44 @@ def shrink(path) -> dict:
         shrunk.update(num_labels=NUM_LABELS, problem_type="single_label_classification")
         shrunk["_zerofix_task"] = "sequence"
     return shrunk
+
+
+TOWERS = ("vision_config", "audio_config", "video_config")
+
+
+def _shrunk_sizes(config: dict) -> dict:
+    """``config`` (one level) with every size of SHRINK shrunk, its layer kinds and multimodal RoPE sections to fit."""
+    for names, value in SHRINK.items():
+        for name in names:
+            if name in config and config[name] is not None:
+                config[name] = value
+    layers = config.get("num_hidden_layers", config.get("n_layer", 2))
+    if isinstance(config.get("layer_types"), list) and config["layer_types"]:
+        # per-layer attention kinds (Qwen2, Gemma, Qwen3.5's linear and full attention): one layer of each kind
+        kinds = list(dict.fromkeys(config["layer_types"]))
+        config["layer_types"] = (kinds + [kinds[-1]] * layers)[:max(layers, len(kinds))]
+        if "num_hidden_layers" in config:
+            config["num_hidden_layers"] = len(config["layer_types"])
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = config.get(key)
+        if isinstance(rope, dict) and "mrope_section" in rope:  # the sections fill head_dim / 2 of the tiny head
+            half = HIDDEN // 4 // 2
+            parts = len(rope["mrope_section"]) or 3
+            rope["mrope_section"] = [half // parts + (1 if i < half % parts else 0) for i in range(parts)]
+    return config
+
+
+def _shrunk_tower(config: dict) -> dict:
+    """A vision or audio tower: one layer, the text model's width at its output."""
+    config = dict(config)
+    for name in ("depth", "num_hidden_layers", "num_layers"):
+        if isinstance(config.get(name), int):
+            config[name] = 1
+    for name, value in (("hidden_size", HIDDEN), ("embed_dim", HIDDEN), ("intermediate_size", 2 * HIDDEN),
+                        ("num_heads", 2), ("num_attention_heads", 2), ("out_hidden_size", HIDDEN)):
+        if isinstance(config.get(name), int):
+            config[name] = value
+    return config
 
 
 def _class_names(mapping) -> set[str]:
@@ -100,6 +136,7 @@ def architecture(config: dict):
     transformers' causal-LM class for its ``model_type`` when it names none. Raises ConfigError otherwise."""
     import transformers
     from transformers import AutoConfig
+    from transformers.models.auto import modeling_auto
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                         MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
 
@@ -109,7 +146,10 @@ def architecture(config: dict):
     except (ValueError, KeyError):
         raise ConfigError(f"--model: model_type {model_type!r} is unknown to transformers {transformers.__version__}; "
                           "install a transformers release that has it") from None
-    trainable = _class_names(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | _class_names(MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+    # causal LMs, sequence classifiers, and the image-text-to-text heads (trained on text-only samples here)
+    multimodal = getattr(modeling_auto, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {})
+    trainable = (_class_names(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | _class_names(MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+                 | _class_names(multimodal))
     named = list(config.get("architectures") or ())
     if not named:
         default = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)

@@ -432,6 +432,7 @@ def _check_handed(step: TrainerStep, verdict, details) -> None:
     state = known(step.trainer)
     details["steps_handed"] = details.get("steps_handed", 0) + 1
     if verdict is not None and verdict.state == num_items_watch.DIVIDED:
+        details["corrected"] += 1  # this backward differs from upstream's: its loss was divided by the handed count
         return
     name, state.handing, state.plans = state.handing, None, {}
     details["count_handed"] = f"{name}: stopped, the loss is not divided by the count"
