@@ -56,6 +56,10 @@ def loss_fn(variant: str, liger_path: str | None):
         import zerofix
 
         return lambda h, w, y: zerofix.chunked_cross_entropy(h, w, y), f"zerofix {zerofix.__version__}"
+    if variant == "torch":  # torch's own, with its chunked path (LinearCrossEntropyOptions: its "auto" choices)
+        options = torch.nn.LinearCrossEntropyOptions()
+        return (lambda h, w, y: F.linear_cross_entropy(h, w, y, ignore_index=-100, options=options),
+                f"torch {torch.__version__} F.linear_cross_entropy(options=LinearCrossEntropyOptions())")
     if variant == "trl":
         import trl
 

@@ -53,6 +53,7 @@ SCALE = "zerofix.fixes.deepspeed_scale_wrt_gas"
 HOOK = "zerofix.fixes.deepspeed_output_hook_division"
 SHORT = "zerofix.fixes.accelerate_short_window"
 MOE = "zerofix.fixes.trainer_moe_aux"
+CHUNKED = "zerofix.fixes.trainer_chunked_loss"
 
 FIXES: tuple[Fix, ...] = (
     # The Trainer's gradient-accumulation scaling (zerofix.fixes.trainer_scaling, rule in zerofix.scaling):
@@ -87,7 +88,7 @@ FIXES: tuple[Fix, ...] = (
         title="Trainer scales the loss by gradient_accumulation_steps (and the number of processes) from a "
         "guess at the forward's signature, and some releases divide twice or never",
         dist="transformers",
-        # every release measured from 4.46.3 to 5.23.0 has a head it scales wrongly; #47688 is open
+        # every release measured from 4.46.3 to 5.24.0 has a head it scales wrongly; #47688 is open
         affected=">=4.46",
         targets=(
             Target("transformers.trainer", "Trainer.training_step", TRAINER + ":training_step"),
@@ -105,9 +106,29 @@ FIXES: tuple[Fix, ...] = (
         fixed_in=None,
         where="Trainer with gradient_accumulation_steps > 1: a head whose forward takes **kwargs but whose loss "
         "ignores num_items_in_batch (sequence classification, ...; a compute_loss or compute_loss_func returning a "
-        "mean) trains at GAS x (and x processes) on every release; 4.46-4.47 never divide a loss without loss "
-        "kwargs, 4.46-4.48 with DeepSpeed and 5.2.0-5.5.3 without it divide a per-window loss twice",
+        "mean) trains at GAS x (and x processes) on every release; a head whose class says accepts_loss_kwargs = "
+        "False (Qwen2.5/3-VL, Qwen3.5, Gemma 4, GLM-4V, ...) is never handed the count and trains on the mean of "
+        "micro-batch means; 4.46-4.47 never divide a loss without loss kwargs, 4.46-4.48 with DeepSpeed and "
+        "5.2.0-5.5.3 without it divide a per-window loss twice",
         covers="trainer: one process, DDP, DeepSpeed ZeRO-0..3, FSDP1, FSDP2 (paths.trainer_path)",
+    ),
+    # Not a bug: a switch. The Trainer's causal-LM / vision-language training loss through zerofix's chunked loss,
+    # without the full logits (zerofix.fixes.trainer_chunked_loss); opt-in, a route decided per model by a probe.
+    Fix(
+        id="transformers-trainer-chunked-loss",
+        title="The Trainer's causal-LM and vision-language training loss without the full logits (a switch, not a "
+        "bug fix)",
+        dist="transformers",
+        affected=">=4.46",
+        targets=(Target("transformers.trainer", "Trainer.compute_loss", CHUNKED + ":compute_loss"),),
+        implementation=CHUNKED,
+        where="Trainer training a causal LM or vision-language model: the batch x sequence x vocabulary logits (19 "
+        "GiB in float32 at 32k tokens and a 152k vocabulary) are built for the loss; with this switch the loss is "
+        "zerofix.chunked_cross_entropy of the backbone's hidden states, ZeRO-3 and FSDP2 safe, the count honoured",
+        opt_in="a switch, not a bug fix: it changes how the training loss is computed (its memory and rounding), so "
+        "it runs only when asked for",
+        covers="trainer: one process, DDP, DeepSpeed ZeRO-0..3, FSDP1, FSDP2 (paths.trainer_path); per model, "
+        "where a probe finds its loss to be the chunked loss of its backbone's hidden states",
     ),
     Fix(
         id="accelerate-short-last-window",

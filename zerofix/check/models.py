@@ -170,15 +170,8 @@ def _no_count_llama(kind: str) -> nn.Module:
 
 
 def _tiny_vlm() -> nn.Module:
-    """A tiny Qwen2_5_VLForConditionalGeneration whose forward takes the collated image arrays as stacked per sample
-    (``models.stack``) and flattens them as the real processor's output is."""
+    """A tiny Qwen2_5_VLForConditionalGeneration (its image arrays come concatenated over the batch: ``stack``)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    class TinyQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
-        def forward(self, *args, pixel_values=None, image_grid_thw=None, **kwargs):
-            if pixel_values is not None and pixel_values.dim() == 3:  # (batch, patches, values) -> (patches, values)
-                pixel_values, image_grid_thw = pixel_values.flatten(0, 1), image_grid_thw.flatten(0, 1)
-            return super().forward(*args, pixel_values=pixel_values, image_grid_thw=image_grid_thw, **kwargs)
 
     config = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -190,7 +183,7 @@ def _tiny_vlm() -> nn.Module:
                            fullatt_block_indexes=[0]),
         image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
         vision_end_token_id=VISION_END, tie_word_embeddings=False, attn_implementation="eager")
-    return TinyQwen2_5_VL(config)
+    return Qwen2_5_VLForConditionalGeneration(config)
 
 
 def sample(index: int, seed: int = 0, task: str = "token") -> dict:
@@ -215,13 +208,18 @@ def sample(index: int, seed: int = 0, task: str = "token") -> dict:
         labels[:7] = IGNORE
         return {"input_ids": ids, "attention_mask": mask, "labels": labels,
                 "pixel_values": torch.randn(IMAGE_PATCHES, PATCH_VALUES, generator=g),
-                "image_grid_thw": torch.tensor([[1, 2, 2]])}
+                "image_grid_thw": torch.tensor([[1, 2, 2]])}  # one image of 2 x 2 patches
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+# A VLM's image arrays are concatenated over the batch, as its processor returns them (patches x values, images x 3)
+_CONCATENATED = ("pixel_values", "image_grid_thw")
 
 
 def stack(items) -> dict:
     """Collate dict items into a batch of tensors."""
-    return {k: torch.stack([torch.as_tensor(it[k]) for it in items]) for k in items[0]}
+    return {k: (torch.cat if k in _CONCATENATED else torch.stack)([torch.as_tensor(it[k]) for it in items])
+            for k in items[0]}
 
 
 def collate(indices, seed: int = 0, task: str = "token") -> dict:

@@ -89,6 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--cells", default=None,
                    help="JSON file: a list of cells, each {name, model, gas, samples, epochs, average_tokens, lr}; "
                    "every cell is trained per variant in this one job (results under <out>/<name>/)")
+    p.add_argument("--opt-in", default="", help="comma list of opt-in entries the patched variant applies too "
+                   "(transformers-trainer-chunked-loss: the Trainer's loss without the full logits)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -397,7 +399,7 @@ def _train_variants(args, out: Path, world: int, rank: int) -> None:
                 "repatched": ["repatched"]}
     for variant in variants[args.zerofix]:
         if variant == "patched":
-            zerofix.patch()
+            zerofix.patch(opt_in=[i for i in args.opt_in.split(",") if i])
         if variant == "repatched":  # every wrapper installed, removed and installed again before training
             import transformers.trainer  # noqa: F401
 
