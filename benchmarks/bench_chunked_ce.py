@@ -272,7 +272,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="with --device cuda: zerofix's chunk sizes (cuda_sweep)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--variants", default="plain,trl,liger,zerofix")
+    parser.add_argument("--variants", default="plain,trl,liger,torch,zerofix")
     parser.add_argument("--liger", default=None, help="directory holding an installed liger_kernel "
                         "(pip install --no-deps --target DIR liger-kernel)")
     parser.add_argument("--json", default=None, help="also write the results here")
