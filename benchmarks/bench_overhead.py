@@ -97,6 +97,7 @@ def per_call_us():
 
         def __init__(self):
             self.accelerator = accelerator
+            self.state = types.SimpleNamespace()  # one train() run: what the entry reads once a run stays read
 
     trainer = Trainer()
     noop = lambda *a, **k: None  # noqa: E731
@@ -115,7 +116,8 @@ def per_call_us():
 
 def watch_us() -> dict:
     """transformers-trainer-scaling's watch, paid at every Trainer step: a loss divided by a watched
-    num_items_in_batch (followed through the .to() and the division, then handed on plain) against the same
+    num_items_in_batch (followed through the .to() and the division, its verdict decided, the step closed and the loss
+    handed on plain) against the same
     division by the plain tensor (transformers' normalised cross-entropy), on a micro-batch of 512 tokens over a
     32,000-word vocabulary. The watch costs the few operations on the count, whatever the model's size."""
     import torch
@@ -130,9 +132,12 @@ def watch_us() -> dict:
 
     plain = min(timeit.repeat(lambda: loss(count), number=20, repeat=5)) / 20 * 1e6
     def followed():
-        out = loss(num_items_watch.watched(count))
-        assert num_items_watch.depends(out)
-        return num_items_watch.unwatched(out)
+        try:
+            out = loss(num_items_watch.watch(count))
+            assert num_items_watch.decide(out).state == num_items_watch.DIVIDED
+            return num_items_watch.unwatched(out)
+        finally:
+            num_items_watch.close()
 
     watched = min(timeit.repeat(followed, number=20, repeat=5)) / 20 * 1e6
     return {"a normalised loss (512 x 32k cross-entropy), plain count": plain,

@@ -54,7 +54,7 @@ class Mixed(NamedTuple):
     constants: tuple  # the operands of power 0 (None for a Python number), for decide()'s accountant
 
 
-ZERO = Fraction(0)
+ZERO, ONE, MINUS_ONE = Fraction(0), Fraction(1), Fraction(-1)
 # The result is its first operand, moved, cast, viewed, reduced or clamped: the same power (a count clamped to at
 # least 1 is the count: transformers and TRL guard a division with it).
 _SAME = frozenset({
@@ -390,7 +390,7 @@ def watch(num_items):
         return num_items
     root = torch.Tensor._make_subclass(_Count, num_items.detach())  # shares the storage: no copy, no graph
     _live = _Step(root)
-    _live.marks[id(root)] = (weakref.ref(root), Fraction(1))
+    _live.marks[id(root)] = (weakref.ref(root), ONE)
     return root
 
 
@@ -409,9 +409,9 @@ def decide(loss, accounted=lambda tensor: False) -> Verdict:
         return Verdict(UNKNOWN, "the count left the watch as " + " and ".join(step.escapes))
     if power is _UNMARKED:
         return Verdict(INDEPENDENT)
-    if power == Fraction(-1):
+    if power == MINUS_ONE:
         return Verdict(DIVIDED)
-    if isinstance(power, Mixed) and power.powers == frozenset({Fraction(-1), ZERO}) and power.constants and all(
+    if isinstance(power, Mixed) and power.powers == frozenset({MINUS_ONE, ZERO}) and power.constants and all(
             term is not None and accounted(term) for term in power.constants):
         return Verdict(DIVIDED)
     return Verdict(UNKNOWN, "the loss is computed from the count but does not scale as one over it "

@@ -109,11 +109,12 @@ def known(trainer) -> Known:
 
 
 class TrainerStep:
-    __slots__ = ("trainer", "num_items", "watching", "base_ran", "handled", "aux", "accounted", "call", "plan",
-                 "handed")
+    __slots__ = ("trainer", "state", "num_items", "watching", "base_ran", "handled", "aux", "accounted", "call",
+                 "plan", "handed")
 
-    def __init__(self, trainer, num_items, watching):
+    def __init__(self, trainer, num_items, watching, state=None):
         self.trainer, self.num_items, self.watching = trainer, num_items, watching
+        self.state = state if state is not None else known(trainer)  # looked up once a step
         self.base_ran = False  # the base Trainer.compute_loss ran (and multiplied by the processes if it does)
         self.handled = False
         self.aux = None  # (auxiliary loss, coefficient) of an MoE model: transformers-moe-aux-loss
@@ -258,7 +259,7 @@ def training_step(wrapped, trainer, args, kwargs):
     if watching:
         args, kwargs = _with_num_items(args, kwargs, num_items_watch.watch(
             num_items_watch.as_tensor_like_release(num_items)))
-    step = accelerator.__dict__[_STEP] = TrainerStep(trainer, num_items, watching)
+    step = accelerator.__dict__[_STEP] = TrainerStep(trainer, num_items, watching, state)
     step.handed = bool(state.handing) and num_items is not None
     try:
         with _Handing(trainer, step.handed):
@@ -357,8 +358,7 @@ def _stated_once(trainer) -> bool:
 
 
 def describe(accelerator, step: TrainerStep, kwargs) -> scaling.Call:
-    trainer = step.trainer
-    state = known(trainer)
+    trainer, state = step.trainer, step.state
     gas = int(trainer.args.gradient_accumulation_steps)
     facts = scaling.TrainerFacts(
         accepts_loss_kwargs=bool(getattr(trainer, "model_accepts_loss_kwargs", False)),
@@ -382,7 +382,7 @@ def _state_of(verdict) -> str | None:
 def _statement(step: TrainerStep) -> bool | None:
     """The statement this step is scaled by: the user's; for a step zerofix handed the count whose loss is not divided
     by it, "a micro-batch mean" (what the Trainer would have taken it for, had zerofix not handed the count)."""
-    state = known(step.trainer)
+    state = step.state
     if step.handed and _state_of(state.verdict) != num_items_watch.DIVIDED:
         return False
     return state.statement
@@ -392,7 +392,7 @@ def _plan(accelerator, step: TrainerStep, kwargs) -> tuple[scaling.Call, scaling
     """``describe(...)`` and its ``scaling.plan``, computed once per distinct set of facts of a trainer: the facts
     change at a short window and when the verdict changes, not from step to step (a step then costs a few attribute
     reads). On an unknown verdict nobody stated the answer to, the plan is upstream's: no change."""
-    trainer, state = step.trainer, known(step.trainer)
+    trainer, state = step.trainer, step.state
     key = (getattr(trainer, "model_accepts_loss_kwargs", None), getattr(trainer, "compute_loss_func", None) is None,
            getattr(trainer, "loss_is_scaled_for_ga", None), step.num_items is None, step.base_ran,
            state.window, _state_of(state.verdict), _statement(step), kwargs.get("scale_wrt_gas", True),
@@ -412,7 +412,7 @@ _SAID = {num_items_watch.DIVIDED: "divided by num_items_in_batch",
 
 def _record_verdict(step: TrainerStep, verdict) -> dict:
     """This step's verdict (a num_items_watch.Verdict) into the trainer's state and its runtime details."""
-    trainer, state = step.trainer, known(step.trainer)
+    trainer, state = step.trainer, step.state
     details = _details_of(trainer)
     details["stated"] = _stated_once(trainer)
     state.verdict = verdict
@@ -429,7 +429,7 @@ def _check_handed(step: TrainerStep, verdict, details) -> None:
     """A step of a model the Trainer never hands the count, handed it by zerofix: right when the loss is divided by it.
     Otherwise (its forward computes its own mean, or what it does cannot be told) this step is scaled as the Trainer
     would have scaled it, a micro-batch mean, and no later step is handed the count: upstream's mean of means, said."""
-    state = known(step.trainer)
+    state = step.state
     details["steps_handed"] = details.get("steps_handed", 0) + 1
     if verdict is not None and verdict.state == num_items_watch.DIVIDED:
         details["corrected"] += 1  # this backward differs from upstream's: its loss was divided by the handed count
@@ -460,7 +460,7 @@ def _note(details, warning: str) -> None:
 
 def _warn_unknown(step: TrainerStep, verdict) -> None:
     """Once a run, where the verdict is unknown and nobody stated what the loss is: zerofix follows upstream."""
-    trainer, state = step.trainer, known(step.trainer)
+    trainer, state = step.trainer, step.state
     if state.stated or state.statement is not None or "unknown" in state.warned:
         return
     state.warned.add("unknown")
@@ -477,7 +477,7 @@ def _warn_unknown(step: TrainerStep, verdict) -> None:
 def _warn_rescaled(step: TrainerStep, call: scaling.Call) -> None:
     """Once a run, where zerofix scales a loss as a micro-batch mean that nobody stated to be one: a user's
     compute_loss may have divided it already (the hand-fixed classifier), which no measurement can tell."""
-    trainer, state = step.trainer, known(step.trainer)
+    trainer, state = step.trainer, step.state
     if not call.loss_is_mean or state.stated:
         return
     state.warned.add("rescaled")
@@ -528,7 +528,7 @@ def backward(wrapped, accelerator, args, kwargs):
         _warn_unknown(step, verdict)
     if plan.changes:
         details["corrected"] += 1
-        if "rescaled" not in known(step.trainer).warned:
+        if "rescaled" not in step.state.warned:
             _warn_rescaled(step, step.call)
         if plan.multiply_by != 1:
             loss = loss * plan.multiply_by
