@@ -44,6 +44,10 @@ def text_of(figure: dict) -> str:
         return f"{value:g} s"
     if unit == "s+min":  # a long run: seconds, and minutes for the reader
         return f"{value:g} s ({value / 60:.0f} min)"
+    if unit == "ms":  # a per-step cost (benchmarks/bench_overhead.py)
+        return f"{value:g} ms"
+    if unit == "us":
+        return f"{value:g} µs"
     if unit == "min":
         return f"{value:g} minutes"
     raise ValueError(f"unknown unit {unit!r}")
@@ -250,7 +254,7 @@ def main(argv=None) -> int:
     s = sub.add_parser("set")
     s.add_argument("name")
     s.add_argument("value", type=float)
-    s.add_argument("--unit", default="s", choices=("s", "s+min", "min"))
+    s.add_argument("--unit", default="s", choices=("s", "s+min", "min", "ms", "us"))
     s.add_argument("--how", required=True)
     sub.add_parser("render")
     sub.add_parser("check")
