@@ -288,3 +288,16 @@ def test_zerofixs_own_chunked_loss_is_divided_by_the_count():
     v, followed = verdict(lambda n: chunked_cross_entropy(hidden, weight, labels, num_items_in_batch=n), 23)
     assert v.state == DIVIDED and torch.equal(followed, plain)
     assert verdict(lambda n: chunked_cross_entropy(hidden, weight, labels))[0].state == INDEPENDENT
+
+
+def test_a_value_computed_from_the_count_in_a_compiled_region_is_unknown_and_no_crash(batch):
+    """Issue 46: Dynamo traces the watch's own branch for a tensor computed from the count (a side effect it replays
+    at every call), with fullgraph=True. (The count itself carries a dispatch key Dynamo cannot take as a graph input:
+    the Trainer entry hands a compiled model or compute_loss_func the plain count, tests/test_trainer_scaling_unit.py.)"""
+    logits, labels = batch
+    divide = torch.compile(lambda total, d: total / d, fullgraph=True, backend="eager")
+    for _ in range(2):  # the first call traces, the second runs the compiled code
+        v, loss = verdict(lambda n: divide(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"),
+                                           n.float()))
+        assert v.state == UNKNOWN and "torch.compile" in v.route, v
+        assert loss.isfinite()

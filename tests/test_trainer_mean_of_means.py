@@ -1,4 +1,4 @@
-"""Issue 47: the heads the Trainer never hands the count. 29 generation heads of transformers 5.23 (Qwen2.5/3-VL,
+"""Issue 47: the heads the Trainer never hands the count. 27 generation heads of transformers 5.24 (Qwen2.5/3-VL,
 Qwen3.5, Gemma 4, GLM-4V, ...) set ``accepts_loss_kwargs = False``, so the Trainer neither counts nor passes
 ``num_items_in_batch`` and their update is a mean of micro-batch means, though their forwards hand ``**kwargs`` to a
 loss that divides by the count. zerofix has the Trainer count and pass it (``trainer_scaling.count_never_handed``)

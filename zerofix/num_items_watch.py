@@ -85,7 +85,7 @@ _ESCAPES = {
     "__reduce_ex__": "a pickle",
 }
 CPP_READ = "a read torch does not show to Python (torch.tensor(n), TorchScript, a C++ extension)"
-COMPILED = "a torch.compile region"
+COMPILED = "an input of a torch.compile region"
 KEPT = "a count kept from an earlier step"
 
 
@@ -179,13 +179,22 @@ def _sum(terms):
 # ---------------------------------------------------------------------------------------------------------------
 # The watch: one per Trainer step.
 
+class _Counter:
+    n = 0
+
+
+# Reads of a watched tensor that torch.compile traced: an attribute of an instance, a side effect Dynamo records and
+# replays at every call of the compiled function (measured with the eager backend, fullgraph=True)
+_COMPILED_READS = _Counter()
+
+
 class _Step:
     def __init__(self, root):
         self.root = root
         self.marks: dict[int, tuple] = {}  # id(tensor) -> (weak reference, what it is as a function of the count)
         self.escapes: list[str] = []
         self.open = True  # until decide(): reads after the verdict (the backward's saved count) change nothing
-        self.compiled_before = _Spent.compiled_reads
+        self.compiled_before = _COMPILED_READS.n
 
 
 _live: _Step | None = None
@@ -256,7 +265,7 @@ class _Watched(torch.Tensor):
         global _inside
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # traced by Dynamo: nothing here can be followed; this side effect replays
-            _Spent.compiled_reads += 1
+            _COMPILED_READS.n += 1
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
@@ -335,8 +344,6 @@ class _Spent(torch.Tensor):
     so the dispatcher still calls ``__torch_dispatch__``, which runs the plain kernel; a read of it during a later
     step is a route that step cannot follow."""
 
-    compiled_reads = 0  # reads of a watched tensor traced by torch.compile (a side effect Dynamo replays per call)
-
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", "") in _ESCAPES:  # NumPy refuses a dispatch key: a plain copy converts
@@ -402,7 +409,7 @@ def decide(loss, accounted=lambda tensor: False) -> Verdict:
     if step is None:
         return Verdict(UNKNOWN, "not watched")
     step.open = False
-    if _Spent.compiled_reads != step.compiled_before:
+    if _COMPILED_READS.n != step.compiled_before:
         step.escapes.append(COMPILED)
     power = _power(loss)
     if step.escapes:

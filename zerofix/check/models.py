@@ -9,8 +9,8 @@ The model kinds cover the Trainer's normalisation paths:
 - ``peft-seq-cls-llama``: the Llama classifier wrapped by PEFT (LoRA), where peft is installed;
 - ``moe``: a transformers MixtralForCausalLM with ``output_router_logits`` and ``router_aux_loss_coef`` 0.5: its
   loss is the normalised cross-entropy plus the coefficient times the micro-batch's router load-balancing loss;
-- ``nokw-llama``: the causal LM with the class attribute ``accepts_loss_kwargs = False`` (what 29 generation heads
-  of transformers 5.23 say): the Trainer neither counts nor passes the count, though the forward would divide by it;
+- ``nokw-llama``: the causal LM with the class attribute ``accepts_loss_kwargs = False`` (what 27 generation heads
+  of transformers 5.24 say): the Trainer neither counts nor passes the count, though the forward would divide by it;
 - ``own-mean-llama``: the same flag, and a forward that drops the count (its loss is its own token mean);
 - ``vlm`` / ``vlm-image``: a tiny Qwen2_5_VLForConditionalGeneration (the flag False from transformers), on text-only
   samples, or on samples carrying one 2x2-patch image whose tokens are labelled -100.

@@ -17,12 +17,18 @@ DDP, DeepSpeed ZeRO-0..3, FSDP1, FSDP2; elsewhere it stands aside and says "not 
 - ``compute_loss`` (the base Trainer's) records that it ran, so its multiplication by the number of
   processes is known to have happened;
 - ``get_batch_samples`` records the window's real length;
-- ``backward`` (Accelerator.backward) takes this step's verdict (was the loss it receives computed from the count?),
-  hands the engine the plain loss, asks ``scaling.plan`` what the path does to this loss against what it needs, and
-  changes nothing where they agree. Otherwise it switches a second division off (accelerate's divisor 1,
-  ``scale_wrt_gas=False``: what upstream's own fixes do) and puts the rest on the loss.
+- ``backward`` (Accelerator.backward) takes this step's verdict (``num_items_watch.decide``: the loss is *divided* by
+  the count, *independent* of it, or *unknown*), hands the engine the plain loss, asks ``scaling.plan`` what the path
+  does to this loss against what it needs, and changes nothing where they agree. Otherwise it switches a second
+  division off (accelerate's divisor 1, ``scale_wrt_gas=False``: what upstream's own fixes do) and puts the rest on
+  the loss. On an *unknown* verdict nobody stated the answer to, nothing changes (upstream's path) and a WARNING
+  names the route once a run;
+- ``count_never_handed``: a model whose class says ``accepts_loss_kwargs = False`` (27 generation heads of 5.24) is
+  handed the count (the Trainer's ``model_accepts_loss_kwargs`` is True inside its ``get_batch_samples`` and
+  ``training_step``), and every step checks that its loss is divided by it; otherwise upstream's mean of means
+  comes back for the run, warned (issue 47).
 
-The verdict: a loss the Trainer believes per window, with no explicit statement, that was not computed from
+The verdict: a loss the Trainer believes per window, with no explicit statement, that is *independent* of
 ``num_items_in_batch`` is a micro-batch mean (said at WARNING once a run where zerofix rescales it: a user's own
 division by GAS cannot be told apart). Explicit statements win over the verdict: ``zerofix.loss_is_scaled_for_ga``,
 the Trainer's ``loss_is_scaled_for_ga`` (transformers >= 5.19, TRL's trainers on any release), a non-callable
@@ -32,12 +38,15 @@ window" into "mean", never the reverse: a loss the Trainer divides is left to th
 and arguments say is read again at every ``train()``.
 
 Ambiguity list (docs/fixes.md), each usage with the test that shows it left alone:
-- a loss normalised by ``num_items_in_batch`` (every causal LM, TRL 1.16's GKD, zerofix's own chunked loss): it is
-  computed from the count, so the Trainer's own path runs; bitwise the unpatched weights wherever that path is right
-  (tests/test_trainer_scaling.py, tests/test_trainer_fsdp.py, tests/test_trl_trainer_scaling.py);
-- a count that only leaves as a Python number, a log entry or a dropped copy (device hooks, FSDP's casts): no
-  normalisation (tests/test_num_items_watch.py, tests/test_trainer_scaling_rows.py); a loss divided by such a
-  Python number cannot be followed: a mean, and the WARNING says the count was read as a number;
+- a loss divided by ``num_items_in_batch`` (every causal LM, TRL 1.16's GKD, zerofix's own chunked loss, a deep copy
+  of the count handed to the model): the Trainer's own path runs; bitwise the unpatched weights wherever that path
+  is right (tests/test_trainer_scaling.py, tests/test_trainer_fsdp.py, tests/test_trl_trainer_scaling.py,
+  tests/test_trainer_count_routes.py);
+- a count that only leaves as a moved or cast copy that is dropped (device hooks, FSDP's casts): independent
+  (tests/test_num_items_watch.py, tests/test_trainer_scaling_rows.py);
+- a count that leaves the watch (a Python number, NumPy, a pickle, ``torch.tensor(n)``, TorchScript,
+  ``torch.compile``, a count kept from an earlier step) or touches the loss without dividing it (``mean + 0 * n``):
+  unknown, so upstream's path, bitwise, and the WARNING (tests/test_trainer_count_routes.py, tests/test_num_items_watch.py);
 - an explicit statement: followed, never measured (RewardTrainer in tests/test_trl_trainer_scaling.py,
   tests/test_scaling.py, tests/test_trainer_scaling_unit.py);
 - a loss the Trainer divides itself (it believes a mean): left to the Trainer even if computed from the count
@@ -49,11 +58,15 @@ Ambiguity list (docs/fixes.md), each usage with the test that shows it left alon
 - a ``compute_loss`` that divides by GAS itself, or normalises per window by its own count, without a statement:
   indistinguishable from a micro-batch mean, treated as one and said at WARNING with the statement that stops it
   (tests/test_trainer_scaling_rows.py);
+- a head whose class says ``accepts_loss_kwargs = False`` but whose forward computes its own mean: handed the count
+  once, found independent, upstream's mean of means for the run, warned (tests/test_trainer_mean_of_means.py);
 - transformers 4.46-4.48 pass the count as an int, which cannot be followed: it is handed on as a 0-dim int64 tensor
   (same value, bitwise the same division; tests/test_num_items_watch.py, and the 2024-11/2025-01 cells);
-- a model under torch.compile (``torch_compile=True``, or a compiled module): not watched, since a watched tensor
-  takes the step out of the compiled graph; the Trainer's belief is followed and a warning says so
+- a compiled model (``torch_compile=True``, or a compiled module) or ``compute_loss_func``: handed the plain count (a
+  watched tensor cannot enter Dynamo's graph); the verdict is unknown and upstream's path runs, warned
   (tests/test_trainer_scaling_unit.py);
+- a ``training_step`` override that never reaches ``Trainer.training_step``: not covered, said in the log and the
+  runtime details (tests/test_trainer_count_routes.py);
 - a plain ``accelerator.accumulate`` loop is never touched: no Trainer step is open (tests/test_accelerate_loop.py).
 
 Trainers created before ``patch()`` are covered (the wrappers are on the classes), and ``unpatch()`` leaves
@@ -200,7 +213,7 @@ def count_never_handed(trainer, model) -> str | None:
     """The model class whose count the Trainer never hands although its forward takes it (issue 47), or None.
 
     The Trainer counts and passes ``num_items_in_batch`` only when ``model_accepts_loss_kwargs``, which it reads from
-    the model's ``accepts_loss_kwargs``. 29 generation heads of transformers 5.23 set that to False (Qwen2.5/3-VL,
+    the model's ``accepts_loss_kwargs``. 27 generation heads of transformers 5.24 set that to False (Qwen2.5/3-VL,
     Qwen3.5, Gemma 4, GLM-4V, ...) while their forwards hand ``**kwargs`` to a ``loss_function`` that divides by the
     count: their update is a mean of micro-batch means. Whether the loss is divided by the count when handed one is
     decided at every step from behaviour (the verdict); this only names the candidates: the flag False on the model's
