@@ -3,7 +3,8 @@ loss does with num_items_in_batch decides, in three states (zerofix.num_items_wa
 
 - Unknown, so upstream's path and one WARNING: the causal LM's token sum divided by ``torch.tensor(n)``,
   ``torch.from_numpy(n.numpy())``, ``n.item()``, inside a TorchScript function, or by a ``compute_loss_func`` compiled
-  with ``fullgraph=True``; a micro-batch mean plus ``0 * n`` or times ``(n > 0)``; a classifier's loss plus ``0 * n``.
+  with ``fullgraph=True``; a micro-batch mean plus ``0 * n``, times ``(n > 0)`` or plus ``1e-3 * sum(p ** 2) / n``; a
+  classifier's loss plus ``0 * n``.
   Patched equals unpatched bitwise on both stacks (right on 5.23 where the Trainer's guess is right, 0.25 on 5.3
   where accelerate divides again; 4.0 / 1.0 for the means), and the trainer's details say unknown with the route.
 - Divided, so fixed: the model's own loss handed ``copy.deepcopy(n)`` (reference on both stacks: 5.3's double
@@ -27,7 +28,7 @@ STACKS = ("latest", "2026-04")
 LM = {"model": "causal-lm", "gas": 4, "lr": 5.0}
 CLS = {"model": "seq-cls-llama", "gas": 4, "lr": 2.0, "head": True}
 UNKNOWN_LM = ("count-tensor", "count-numpy", "count-item", "count-jit", "compiled-func")
-UNKNOWN_MEANS = ("plus-zero-mean", "times-positive")
+UNKNOWN_MEANS = ("plus-zero-mean", "times-positive", "plus-reg-mean")
 UNKNOWN_ROWS = UNKNOWN_LM + UNKNOWN_MEANS + ("plus-zero",)
 DIVIDED_ROWS = ("deepcopy-model", "kept-count")
 
@@ -57,7 +58,9 @@ def test_issue_46_rows(ranks, stack):
         name = cell["name"]
         bug, fixed = results[name]["unpatched"], results[name]["patched"]
         where = f"{name} on {stack}"
-        assert bug["ratio"] == pytest.approx(unpatched_factor(stack, name), rel=1e-4), (where, bug)
+        # the regulariser's own small gradient moves its ratio off the mean's factor (its reference is the mean alone)
+        rel = 2e-2 if name == "plus-reg-mean" else 1e-4
+        assert bug["ratio"] == pytest.approx(unpatched_factor(stack, name), rel=rel), (where, bug)
         runtime = fixed["rank_runtime"][0][ENTRY][-1]  # this cell's trainer: the last one the process saw
         print(f"{where}: unpatched {bug['ratio']:.4f}, patched {fixed['ratio']:.4f} ({runtime.get('loss')})")
         assert all(s[ENTRY] == "applied" for s in fixed["rank_status"]), (where, fixed["rank_status"])

@@ -26,12 +26,13 @@ from zerofix.check.session import collect_and_freeze, freeze_once
 # Issue 46's rows. The causal LM's token sum divided by the count through a route the watch cannot follow (unknown:
 # upstream's path and a WARNING): torch.tensor(n), torch.from_numpy(n.numpy()), n.item(), a TorchScript division, a
 # compute_loss_func under torch.compile(fullgraph=True); or through one it can (divided): the model's own loss handed
-# copy.deepcopy(n); a micro-batch mean that touches the count without dividing (unknown): + 0 * n, * (n > 0);
+# copy.deepcopy(n); a micro-batch mean that touches the count without dividing (unknown): + 0 * n, * (n > 0),
+# + 1e-3 * sum(p ** 2) / n;
 # kept-count: the model's loss, with a buffer, a running sum and the count itself kept by the trainer (their classes
 # after the run are recorded); bypass: a training_step override that calls accelerator.backward itself.
 DIVISOR_ROUTES = ("count-tensor", "count-numpy", "count-item", "count-jit", "compiled-func")
-COUNT_ROWS = DIVISOR_ROUTES + ("deepcopy-model", "plus-zero", "plus-zero-mean", "times-positive", "kept-count",
-                               "bypass")
+COUNT_ROWS = DIVISOR_ROUTES + ("deepcopy-model", "plus-zero", "plus-zero-mean", "times-positive", "plus-reg-mean",
+                               "kept-count", "bypass")
 USER_LOSSES = ("logged-count", "deepcopy-count", "hand-divided", "hand-divided-stated", "late-count") + COUNT_ROWS
 
 
@@ -242,9 +243,11 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
             if args.loss in DIVISOR_ROUTES[:-1]:
                 labels = inputs.pop("labels")
                 return divisor_loss(args.loss, models.next_token_ce(model(**inputs).logits, labels, "sum"), count)
-            if args.loss in ("plus-zero-mean", "times-positive"):
+            if args.loss in ("plus-zero-mean", "times-positive", "plus-reg-mean"):
                 labels = inputs.pop("labels")
                 mean = models.next_token_ce(model(**inputs).logits, labels, "mean")
+                if args.loss == "plus-reg-mean":  # a small regulariser divided by the count, on a mean
+                    return mean + 1e-3 * sum((p ** 2).sum() for p in model.parameters()) / count
                 return mean + 0 * count if args.loss == "plus-zero-mean" else mean * (count > 0)
             if args.loss == "plus-zero":
                 return super().compute_loss(model, inputs, *a, **k) + 0 * count
