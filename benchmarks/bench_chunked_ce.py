@@ -150,8 +150,13 @@ def cuda_variants() -> dict:
 
     import zerofix
 
+    import torch
+
     out = {"plain": lambda h, w, y: F.cross_entropy((h @ w.t()).float(), y, ignore_index=-100),
            "zerofix": lambda h, w, y: zerofix.chunked_cross_entropy(h, w, y)}
+    if hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):  # torch >= 2.13
+        options = torch.nn.LinearCrossEntropyOptions()
+        out["torch"] = lambda h, w, y: F.linear_cross_entropy(h, w, y, ignore_index=-100, options=options)
     if importlib.util.find_spec("liger_kernel") is not None:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
