@@ -16,26 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+from bench_chunked_ce import peak_mib, rss_mib  # the same measure of memory as the loss's own benchmark
+
 SWITCH = "transformers-trainer-chunked-loss"
-
-
-def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def child(variant: str, seq: int, vocab: int) -> dict:
