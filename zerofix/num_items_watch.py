@@ -189,8 +189,7 @@ _COMPILED_READS = _Counter()
 
 
 class _Step:
-    def __init__(self, root):
-        self.root = root
+    def __init__(self):
         self.marks: dict[int, tuple] = {}  # id(tensor) -> (weak reference, what it is as a function of the count)
         self.escapes: list[str] = []
         self.open = True  # until decide(): reads after the verdict (the backward's saved count) change nothing
@@ -290,7 +289,7 @@ class _Watched(torch.Tensor):
         if isinstance(result, torch.Tensor):
             return _follow(result, power)
         if any(isinstance(t, torch.Tensor) for t in result):
-            return type(result)(_follow(t, power) if isinstance(t, torch.Tensor) else t for t in result)
+            return type(result)([_follow(t, power) if isinstance(t, torch.Tensor) else t for t in result])
         return result
 
     @staticmethod
@@ -396,7 +395,7 @@ def watch(num_items):
     if not isinstance(num_items, torch.Tensor):
         return num_items
     root = torch.Tensor._make_subclass(_Count, num_items.detach())  # shares the storage: no copy, no graph
-    _live = _Step(root)
+    _live = _Step()
     _live.marks[id(root)] = (weakref.ref(root), ONE)
     return root
 
