@@ -41,6 +41,9 @@ class Fix(NamedTuple):
     # aside and says "not covered: <path>". BACKPORT: the entry is upstream's own later code, so it models the
     # layouts that release runs.
     covers: str = "backport"
+    # A switch, not a bug fix (transformers-trainer-chunked-loss): it changes how something is computed, only when
+    # named; never counted among the installed releases' bugs.
+    switch: bool = False
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -129,6 +132,7 @@ FIXES: tuple[Fix, ...] = (
         "it runs only when asked for",
         covers="trainer: one process, DDP, DeepSpeed ZeRO-0..3, FSDP1, FSDP2 (paths.trainer_path); per model, "
         "where a probe finds its loss to be the chunked loss of its backbone's hidden states",
+        switch=True,
     ),
     Fix(
         id="accelerate-short-last-window",

@@ -59,6 +59,7 @@ def status_table(records, width: int = 120) -> list[str]:
 
 
 OPT_IN = "opt-in"  # verdict_line's group of in-range opt-in entries not applied
+SWITCH = "switch"  # verdict_line's group of the switches (catalogue.Fix.switch): not bugs
 
 
 def verdict_line(records) -> str:
@@ -67,8 +68,11 @@ def verdict_line(records) -> str:
     from zerofix.versions import version_in_range
 
     opt_in = {f.id for f in catalogue.FIXES if f.opt_in}
+    switches = {f.id for f in catalogue.FIXES if f.switch}
 
     def group(record) -> str:
+        if record.id in switches:
+            return SWITCH  # not a bug: listed apart, never counted
         waiting = record.state in (patching.INACTIVE, patching.DISABLED)
         if waiting and record.id in opt_in and record.installed and version_in_range(record.installed, record.affected):
             return OPT_IN
@@ -88,12 +92,17 @@ def verdict_line(records) -> str:
         ids = [r.id for r in records if group(r) == state]
         if ids:
             parts.append(text.format(", ".join(ids)))
+    on = [r.id for r in records if group(r) == SWITCH and r.state == patching.APPLIED]
+    switch = (f" Switches on: {', '.join(on)}." if on else
+              " Switches, applied only when named (ZEROFIX_OPT_IN=<id>): " + ", ".join(sorted(switches)) + "."
+              if switches & {r.id for r in records} else "")
     if not parts:
         return ("You do not need zerofix here: no installed release is in an affected range "
-                "('zerofix check' proves the stack with real runs).")
+                "('zerofix check' proves the stack with real runs)." + switch)
     count = sum(group(r) in {s for s, _ in groups} for r in records)
     details = "; ".join(parts)
-    return f"{count} known bug(s) of the installed releases concern this environment. {details[0].upper()}{details[1:]}."
+    return (f"{count} known bug(s) of the installed releases concern this environment. "
+            f"{details[0].upper()}{details[1:]}.{switch}")
 
 
 def _link_text(url: str) -> str:
@@ -112,7 +121,8 @@ def markdown_table() -> str:
              "|---|---|---|---|---|---|"]
     for fix in catalogue.FIXES:
         links = ", ".join(f"[{_link_text(u)}]({u})" for u in fix.upstream)
-        lines.append(f"| `{fix.id}` | {fix.dist} | `{fix.affected}` | {fix.fixed_in or 'not yet'} "
+        fixed = "(a switch, not a bug)" if fix.switch else fix.fixed_in or "not yet"
+        lines.append(f"| `{fix.id}` | {fix.dist} | `{fix.affected}` | {fixed} "
                      f"| {fix.where} | {links} |")
     return "\n".join(lines)
 
