@@ -115,15 +115,23 @@ def _passes_value_through(node) -> bool:
     return forward is not None and getattr(forward, "__module__", "").startswith("deepspeed.runtime.zero.")
 
 
-def _copied_from(node) -> set:
+def _copied_from(node, output_nr: int = 0) -> set:
     """``node`` and, through nodes that only pass a value on, the node it came from. A model's loss is computed from
     the auxiliary loss inside its forward; what its output carries can be a copy of that: accelerate casts
     low-precision outputs to float32 (convert_outputs_to_fp32, so with FSDP2's bf16 parameters), ZeRO-3 wraps each
     module output. The loss's graph never reaches the copy (measured: the router term left unweighted on both, H100
-    and CPU)."""
+    and CPU). DDP hands every output through one identity function (``_DDPSink``, one output per input): its
+    ``output_nr``-th input is the one this output copies."""
     nodes = {node}
     for _ in range(8):
-        if node is None or not _passes_value_through(node):
+        if node is None:
+            break
+        forward = getattr(node, "_forward_cls", None)
+        if getattr(forward, "__name__", "") == "_DDPSink" and output_nr < len(node.next_functions):
+            node, output_nr = node.next_functions[output_nr][0], 0
+            nodes.add(node)
+            continue
+        if not _passes_value_through(node):
             break
         inputs = [n for n, _ in node.next_functions if n is not None]
         if len(inputs) != 1:
@@ -136,7 +144,7 @@ def _copied_from(node) -> set:
 def _reaches(loss, aux) -> bool:
     """Whether ``loss`` was computed from ``aux`` (or from what ``aux`` is a copy of): that autograd node is among
     the loss's first nodes."""
-    targets, seen, queue = _copied_from(aux.grad_fn), set(), [getattr(loss, "grad_fn", None)]
+    targets, seen, queue = _copied_from(aux.grad_fn, aux.output_nr), set(), [getattr(loss, "grad_fn", None)]
     while queue and len(seen) < _GRAPH_NODES:
         node = queue.pop(0)
         if node is None or node in seen:
