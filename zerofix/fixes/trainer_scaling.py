@@ -320,7 +320,7 @@ def get_batch_samples(wrapped, trainer, args, kwargs):
     with _Handing(trainer, bool(state.handing)):  # the Trainer counts the window only for a model it hands it to
         result = wrapped(*args, **kwargs)
     try:
-        known(trainer).window = len(result[0])
+        state.window = len(result[0])
     except (TypeError, IndexError):
         pass
     return result
