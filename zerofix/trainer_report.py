@@ -135,8 +135,9 @@ def verdict_lines(records, seen: set) -> list[str]:
                 continue
             name = trainer["trainer"]
             said = {
-                "count_handed": lambda v: f"zerofix: {record.id} acts on {name} because the Trainer never hands "
-                                          f"num_items_in_batch to {v}",
+                "count_handed": lambda v: (f"zerofix: {record.id} on {name}: the count handed to {v}" if "stopped" in v
+                                           else f"zerofix: {record.id} acts on {name} because the Trainer never "
+                                           f"hands num_items_in_batch to {v}"),
                 "covered": lambda v: f"zerofix: {record.id} on {name}: {v}",
                 "route": lambda v: f"zerofix: {record.id} on {name}: the verdict is unknown ({v}); the Trainer's "
                                    "own scaling runs unchanged",
