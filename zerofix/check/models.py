@@ -146,6 +146,13 @@ def build_model(kind: str, seed: int = 0, *, loss_only: bool = False) -> nn.Modu
     raise ValueError(f"unknown model kind {kind!r}; choose from {MODEL_KINDS}")
 
 
+def has_sub_models(kind: str) -> bool:
+    """Whether a model of this kind may build parts of itself with ``_from_config`` (a vision-language model; a
+    user's config, whose class is not known here): under a live ZeRO-3 configuration those parts are built
+    partitioned even when the model itself is not."""
+    return kind in ("vlm", "vlm-image") or kind.startswith("hf:")
+
+
 def _llama_config():
     from transformers import LlamaConfig
 

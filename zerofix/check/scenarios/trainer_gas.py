@@ -211,13 +211,17 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         AcceleratorState._reset_state(reset_partial_state=False)
         for key in [k for k in os.environ if k.startswith(("FSDP_", "ACCELERATE_MIXED_PRECISION"))]:
             del os.environ[key]  # so are the FSDP_* and mixed-precision variables TrainingArguments exported
-    if args.zero_stage == 3 and (args.bf16 or args.fp16):
+    if args.zero_stage == 3 and (args.bf16 or args.fp16 or models.has_sub_models(args.model)):
         # Each variant builds its model as the first one did, outside DeepSpeed's zero.Init: the previous variant's
-        # TrainingArguments leave transformers' DeepSpeed configuration live, and a classifier built directly under it
-        # keeps an unpartitioned float32 head among bf16 parameters (ZeRO-3 then stops on mixed dtypes, measured on
-        # 4.57 - 5.23, H100 and CPU). Only there: unset in every ZeRO run, the check's later DeepSpeed bf16 rows on
-        # 0.18.9 moved by a few roundings with the order of the runs (tests/test_session.py), as its ZeRO-3 and
-        # 0.18.0 cases do; fp32 ZeRO-3 runs keep the partitioned second build they always had.
+        # TrainingArguments leave transformers' DeepSpeed configuration live, and a model built under it is built
+        # partitioned, which here is not the first build: a classifier keeps an unpartitioned float32 head among bf16
+        # parameters (ZeRO-3 then stops on mixed dtypes, measured on 4.57 - 5.23, H100 and CPU), and on transformers
+        # 5.3 a model whose parts are built by ``_from_config`` (Qwen2.5-VL's vision tower and text model) leaves the
+        # weights its ``_init_weights`` sets through a child module as ``torch.empty`` made them: now and then 1e27 or
+        # nan, and the vlm rows' updates changed from run to run (5.24 gathers those too). Only there: unset in every
+        # ZeRO run, the check's later DeepSpeed bf16 rows on 0.18.9 moved by a few roundings with the order of the
+        # runs (tests/test_session.py, measured again with every ZeRO-3 Trainer run unset); the other fp32 ZeRO-3
+        # runs keep the partitioned second build they always had.
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
         unset_hf_deepspeed_config()
