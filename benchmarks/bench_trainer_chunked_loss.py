@@ -2,6 +2,7 @@
 
     python benchmarks/bench_trainer_chunked_loss.py              # seq 4096, vocabulary 32000 (the default)
     python benchmarks/bench_trainer_chunked_loss.py --quick      # seq 1024
+    python benchmarks/bench_trainer_chunked_loss.py --device cuda --seq 16384 --steps 10   # bf16 on a GPU
 
 A tiny random Llama (hidden 256, 2 layers: the logits dominate, as in a long-context run of a real model), batch 1,
 GAS 1, one SGD step on CPU, each variant in a fresh process, ``--repeats`` times, medians reported. Every variant
@@ -27,7 +28,7 @@ from bench_chunked_ce import peak_mib, rss_mib  # the same measure of memory as 
 SWITCH = "transformers-trainer-chunked-loss"
 
 
-def child(variant: str, seq: int, vocab: int) -> dict:
+def child(variant: str, seq: int, vocab: int, device: str = "cpu", steps: int = 1) -> dict:
     import torch
     import transformers
 
@@ -41,11 +42,12 @@ def child(variant: str, seq: int, vocab: int) -> dict:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(1))
-    data = [{"input_ids": ids[0], "labels": ids[0]}]
-    args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to="none",
-                                          per_device_train_batch_size=1, max_steps=1, optim="sgd", learning_rate=1.0,
-                                          lr_scheduler_type="constant", save_strategy="no", logging_strategy="no",
-                                          disable_tqdm=True)
+    data = [{"input_ids": ids[0], "labels": ids[0]}] * steps
+    cuda = device == "cuda"  # bf16 on the GPU, as a long-context run trains; peak: the CUDA allocator's
+    args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(), use_cpu=not cuda, bf16=cuda,
+                                          report_to="none", per_device_train_batch_size=1, max_steps=steps,
+                                          optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
+                                          save_strategy="no", logging_strategy="no", disable_tqdm=True)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer_class = transformers.Trainer
     if variant == "trl":
@@ -60,12 +62,20 @@ def child(variant: str, seq: int, vocab: int) -> dict:
 
         trainer_class = FusedHeadTrainer
     trainer = trainer_class(model=model, args=args, train_dataset=data)
-    base = rss_mib()
+    if cuda:
+        model.cuda()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    else:
+        base = rss_mib()
     start = time.perf_counter()
     trainer.train()
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    peak = peak_mib() - base
-    update = torch.cat([(p.detach() - before[n]).flatten() for n, p in model.named_parameters()])
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_mib()) - base
+    update = torch.cat([(p.detach().cpu() - before[n].cpu()).flatten() for n, p in model.named_parameters()])
     routed = [d for d in zerofix.status() if d.id == SWITCH and d.runtime]
     return {"variant": variant, "seconds": seconds, "peak_mib": peak, "update": update.tolist()[:: max(1, len(update)
             // 20000)], "routed": bool(routed and any(r.get("routed") for r in routed[0].runtime))}
@@ -79,10 +89,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--steps", type=int, default=1,
+                        help="optimizer steps per process: the first step's probe of the switch is paid once per model")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: bf16 mixed precision, the CUDA allocator's peak (what a GPU run trains with)")
     args = parser.parse_args()
     seq = args.seq or (1024 if args.quick else 4096)
     if args.child:
-        print(json.dumps(child(args.child, seq, args.vocab)))
+        print(json.dumps(child(args.child, seq, args.vocab, args.device, args.steps)))
         return
     import importlib.util
 
@@ -94,7 +108,8 @@ def main() -> None:
             runs["trl"] = []
     for _ in range(args.repeats):  # interleaved
         for variant in runs:
-            cmd = [sys.executable, __file__, "--child", variant, "--seq", str(seq), "--vocab", str(args.vocab)]
+            cmd = [sys.executable, __file__, "--child", variant, "--seq", str(seq), "--vocab", str(args.vocab),
+                   "--device", args.device, "--steps", str(args.steps)]
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
             if proc.returncode != 0:
                 sys.exit(f"{variant} failed:\n{proc.stderr[-3000:]}")
@@ -104,8 +119,10 @@ def main() -> None:
     plain = torch.tensor(runs["plain"][0]["update"])
     errs = {v: float((torch.tensor(runs[v][0]["update"]) - plain).abs().max() / plain.abs().max()) for v in runs}
     med = {v: {m: statistics.median(r[m] for r in rs) for m in ("seconds", "peak_mib")} for v, rs in runs.items()}
-    print(f"One Trainer step, tiny Llama (hidden 256, 2 layers), batch 1 x {seq} tokens, vocabulary {args.vocab}, "
-          f"CPU, {os.environ.get('OMP_NUM_THREADS', 2)} threads; median of {args.repeats} processes")
+    where = (f"CUDA ({torch.cuda.get_device_name()}), bf16 mixed precision" if args.device == "cuda"
+             else f"CPU, {os.environ.get('OMP_NUM_THREADS', 2)} threads")
+    print(f"{args.steps} Trainer step(s), tiny Llama (hidden 256, 2 layers), batch 1 x {seq} tokens, "
+          f"vocabulary {args.vocab}, {where}; median of {args.repeats} processes")
     print(f"{'variant':<8} {'peak MiB':>9} {'x plain':>8} {'seconds':>8} {'x plain':>8}")
     for v in runs:
         print(f"{v:<8} {med[v]['peak_mib']:>9.0f} {med[v]['peak_mib'] / med['plain']['peak_mib']:>8.3f} "
@@ -114,7 +131,8 @@ def main() -> None:
           + ", ".join(f"{v} {e:.1e}" for v, e in errs.items() if v != "plain"))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"seq": seq, "vocab": args.vocab, "medians": med, "update_err": errs}, f, indent=1)
+            json.dump({"seq": seq, "vocab": args.vocab, "device": args.device, "steps": args.steps,
+                       "medians": med, "update_err": errs}, f, indent=1)
 
 
 if __name__ == "__main__":
