@@ -30,6 +30,7 @@ IGNORE = -100
 NUM_LABELS = 3
 MODEL_KINDS = ("causal-lm", "custom", "seq-cls-llama", "seq-cls-bert", "peft-seq-cls-llama", "moe", "nokw-llama",
                "own-mean-llama", "vlm", "vlm-image")
+VLM_KINDS = ("vlm", "vlm-image")  # the tiny Qwen2.5-VL, on text only and with images
 # The tiny VLM's image: tokens 1..6 of a sample are <vision_start>, four image tokens (one per 2x2 patch) and
 # <vision_end>; its pixels are 4 patches of 3 x 2 x 2 values.
 IMAGE_TOKEN, VISION_START, VISION_END, VIDEO_TOKEN = 60, 62, 63, 61
@@ -120,7 +121,7 @@ def build_model(kind: str, seed: int = 0, *, loss_only: bool = False) -> nn.Modu
         return model
     if kind in ("nokw-llama", "own-mean-llama"):
         return _no_count_llama(kind)
-    if kind in ("vlm", "vlm-image"):
+    if kind in VLM_KINDS:
         return _tiny_vlm()
     if kind == "moe":
         from transformers import MixtralConfig, MixtralForCausalLM
@@ -150,7 +151,7 @@ def has_sub_models(kind: str) -> bool:
     """Whether a model of this kind may build parts of itself with ``_from_config`` (a vision-language model; a
     user's config, whose class is not known here): under a live ZeRO-3 configuration those parts are built
     partitioned even when the model itself is not."""
-    return kind in ("vlm", "vlm-image") or kind.startswith("hf:")
+    return kind in VLM_KINDS or kind.startswith("hf:")
 
 
 def _llama_config():
