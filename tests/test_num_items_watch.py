@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+from fractions import Fraction
 
 import pytest
 
@@ -164,6 +165,87 @@ def test_a_loss_computed_from_the_count_that_does_not_scale_as_one_over_it_is_un
                 "log": lambda: total / torch.log(n.float())}[how]()
     v, _ = verdict(loss_of)
     assert v.state == UNKNOWN and "does not scale as one over it" in v.route, v
+
+
+@pytest.mark.parametrize("how", ["sum-from-python-zero", "python-sum", "new-zeros-accumulator", "plus-eps",
+                                 "maximum-with-ones", "where-positive", "tensor-where-positive", "where-at-least-one",
+                                 "nan-to-num", "if-positive"])
+def test_the_identities_real_code_writes_are_divided(batch, how):
+    """Issue 51, item 1: a term that adds nothing, a count bounded below by 1, a count plus a negligible constant, a
+    guard that picks the divided branch wherever the count is positive: each is the division it guards."""
+    logits, labels = batch
+    chunks = torch.nn.functional.cross_entropy(logits, labels, reduction="none").split(2)
+
+    def loss_of(n):
+        s = sum(c.sum() for c in chunks)
+        if how == "sum-from-python-zero":
+            tot = 0
+            for c in chunks:
+                tot += c.sum() / n
+            return tot
+        if how == "python-sum":
+            return sum(c.sum() / n for c in chunks)
+        if how == "new-zeros-accumulator":
+            acc = n.new_zeros((), dtype=torch.float32)
+            for c in chunks:
+                acc += c.sum() / n
+            return acc
+        if how == "plus-eps":
+            return s / (n + 1e-8)
+        if how == "maximum-with-ones":
+            return s / torch.maximum(n, torch.ones_like(n))
+        if how == "where-positive":
+            return torch.where(n > 0, s / n, 0 * s)
+        if how == "tensor-where-positive":
+            return (s / n).where(n != 0, s.new_zeros(()))
+        if how == "where-at-least-one":
+            return torch.where(n >= 1, s / n.clamp(min=1), s.new_zeros(()))
+        if how == "nan-to-num":
+            return torch.nan_to_num(s / n)
+        return s / n if n > 0 else s * 0
+    v, loss = verdict(loss_of)
+    assert v.state == DIVIDED and v.factor == 1, v
+    plain = torch.nn.functional.cross_entropy(logits, labels, reduction="sum") / 37
+    assert torch.allclose(loss, plain, rtol=1e-6)
+
+
+def test_a_zero_built_from_the_counts_shape_is_no_function_of_it(batch):
+    """``mean + torch.zeros_like(n)``: the count's value never reaches the loss (issue 51's table)."""
+    assert verdict(lambda n: mean(*batch) + torch.zeros_like(n))[0].state == INDEPENDENT
+    assert verdict(lambda n: mean(*batch) + n.new_zeros(()))[0].state == INDEPENDENT
+
+
+@pytest.mark.parametrize("how", ["plus-half", "where-above-five", "where-not-a-guard", "maximum-of-two-counts"])
+def test_what_only_looks_like_an_identity_stays_unknown(batch, how):
+    """A constant that moves the count (``n + 0.5``), a comparison that is no positivity guard, a bound that is itself
+    a function of the count: not the count."""
+    logits, labels = batch
+    s = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+
+    def loss_of(n):
+        return {"plus-half": lambda: s / (n + 0.5), "where-above-five": lambda: torch.where(n > 5, s / n, s),
+                "where-not-a-guard": lambda: torch.where(n < 0, s / n, s),
+                "maximum-of-two-counts": lambda: s / torch.maximum(n, n * 2)}[how]()
+    assert verdict(loss_of)[0].state == UNKNOWN
+
+
+@pytest.mark.parametrize("how, factor", [("times-steps", 4), ("count-over-steps", 4), ("times-half-of-two", 1),
+                                         ("times-quarter", Fraction(1, 4)), ("unequal-terms", None),
+                                         ("tensor-factor", 1)])
+def test_a_divided_loss_carries_its_python_factor(batch, how, factor):
+    """Issue 51, item 3: ``s / n * GAS`` and ``s / (n / GAS)`` (5.3 hand fixes) carry the factor GAS: the Python
+    numbers applied once the count is part of the value."""
+    logits, labels = batch
+    s = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+
+    def loss_of(n):
+        return {"times-steps": lambda: s / n * 4, "count-over-steps": lambda: s / (n / 4),
+                "times-half-of-two": lambda: s / (2 * n) * 2, "times-quarter": lambda: s / n * 0.25,
+                "unequal-terms": lambda: s / n * 4 + s / n,
+                # a tensor's value is part of what is independent of the count, as a factor applied before it joins
+                "tensor-factor": lambda: s / (n * torch.tensor(4.0))}[how]()
+    v, _ = verdict(loss_of)
+    assert v.state == DIVIDED and v.factor == factor, v
 
 
 def test_an_undivided_term_another_fix_accounts_for_keeps_the_loss_divided(batch):

@@ -8,6 +8,9 @@ Precedence: explicit ``zerofix.patch()`` arguments > environment > defaults. Var
 - ``ZEROFIX_OPT_IN``: comma list of opt-in fix ids to apply too (``ZEROFIX=1`` applies every entry but those).
 - ``ZEROFIX_LOG``: ``debug``/``info``/``warning``: log zerofix's decisions to stderr at that level.
 - ``ZEROFIX_STRICT``: ``1`` raises when a fix's target changed instead of skipping it.
+- ``ZEROFIX_LOSS_IS_SCALED_FOR_GA``: what every Trainer's loss is, for a user who launches a framework's command line
+  and cannot call ``zerofix.loss_is_scaled_for_ga(trainer)``: ``1`` already per accumulation window (normalised by the
+  window's count, or divided by ``gradient_accumulation_steps``), ``0`` a micro-batch mean. Unset: measured.
 
 A malformed ``ZEROFIX``, ``ZEROFIX_DISABLE`` or ``ZEROFIX_OPT_IN`` gets one warning naming the valid forms, and nothing is
 patched (which fixes were meant is unclear). A malformed ``ZEROFIX_LOG`` or ``ZEROFIX_STRICT`` only
@@ -23,7 +26,8 @@ from typing import NamedTuple
 OFF = ("0", "false", "off", "no")
 ALL = ("1", "all", "true", "on", "yes")
 LOG_LEVELS = ("debug", "info", "warning")
-VARIABLES = ("ZEROFIX", "ZEROFIX_DISABLE", "ZEROFIX_OPT_IN", "ZEROFIX_LOG", "ZEROFIX_STRICT")
+STATEMENT = "ZEROFIX_LOSS_IS_SCALED_FOR_GA"
+VARIABLES = ("ZEROFIX", "ZEROFIX_DISABLE", "ZEROFIX_OPT_IN", "ZEROFIX_LOG", "ZEROFIX_STRICT", STATEMENT)
 
 
 class ConfigError(ValueError):
@@ -86,6 +90,10 @@ def read_environment(environ=None, *, default_on: bool = False) -> Settings:
         warnings.append(f"ZEROFIX_STRICT={env.get('ZEROFIX_STRICT')!r} is not valid (use 1 or 0); not strict, "
                         "the fixes still apply")
         strict_raw = ""
+    statement_raw = env.get(STATEMENT, "").strip().lower()
+    if statement_raw and statement_raw not in OFF + ALL:
+        warnings.append(f"{STATEMENT}={env.get(STATEMENT)!r} is not valid (use 1: the loss is already per "
+                        "accumulation window, or 0: a micro-batch mean); ignored, zerofix measures what the loss is")
     for name in sorted(k for k in env if k.startswith("ZEROFIX_") and k not in VARIABLES):
         # a misspelt variable (ZEROFIX_FIXES for ZEROFIX) would otherwise be ignored without a word
         warnings.append(f"{name} is not a zerofix variable and is ignored (zerofix reads {', '.join(VARIABLES)}; "
@@ -123,6 +131,14 @@ def _warn_once(message: str) -> None:
 def _warn_setting(message: str) -> None:
     if not said_already(message):  # once per process tree
         sys.stderr.write(f"zerofix: warning: {message}.\n")
+
+
+def loss_statement_from_environment(environ=None) -> bool | None:
+    """``ZEROFIX_LOSS_IS_SCALED_FOR_GA``: True (1/true/on/yes), False (0/false/off/no), or None (unset or malformed:
+    the malformed value is named once by the activation's warnings)."""
+    env = os.environ if environ is None else environ
+    value = env.get(STATEMENT, "").strip().lower()
+    return True if value in ALL else False if value in OFF else None
 
 
 def strict_from_environment(environ=None) -> bool:

@@ -6,7 +6,8 @@ by their number) or a micro-batch mean decides how it must be scaled, and the Tr
 forward's signature. This module decides it from behaviour, per Trainer step, in one of three states:
 
 - ``DIVIDED``: the loss scales as one over the count (``sum / n``, after any moves, casts, ``clamp(min=1)``,
-  constant factors). Multiplying the count by 0, comparing it, or adding a small term divided by it is not;
+  constant factors), also through the identities real code writes (below). Multiplying the count by 0, comparing it,
+  or adding a small term divided by it is not;
 - ``INDEPENDENT``: the count never reached the loss, and no part of it left the watch (see below);
 - ``UNKNOWN``: anything else. The count became a Python number, a NumPy array, a pickle, a raw memory read, or was
   read where torch shows nothing to Python (``torch.tensor(n)``, TorchScript, a C++ extension, a ``torch.compile``
@@ -21,6 +22,19 @@ way; ``close()`` ends the step: every tensor the step marked is plain again (a b
 running sum, a deep copy the user keeps), and the count object itself, should the user keep it, answers every
 operation as a plain tensor would (its class is ``SpentCount``; its reads in a later step are a route the watch
 cannot follow: unknown).
+
+The identities of a division (issue 51): a term that adds nothing is no term, so a sum started from a Python ``0``
+(``tot = 0; tot += c / n``, Python's ``sum``), from ``n.new_zeros(())`` or plus ``torch.zeros_like(n)`` has the power of
+its other terms (a zero built *from the count's shape*, ``new_zeros`` / ``zeros_like``, holds no function of its
+value); a count bounded below (``clamp(min=1)``, ``torch.maximum(n, ones)``) is the count; a count plus a Python
+constant of at most 1e-3 (``n + 1e-8``) is the count to within 1e-3 of a count of at least one; ``nan_to_num`` is the
+identity on a finite value; ``torch.where(n > 0, s / n, other)`` (also ``n >= 1``, ``n != 0``, and ``if n > 0:``) is
+its divided branch wherever the count is positive. What stays unknown: a term computed from the count whose value is
+not a constant zero (``mean + 0 * n``: a function of the count, even if it is zero), a product with a comparison
+(``mean * (n > 0)``), and a small term divided by the count added to an undivided mean (``mean + reg / n``): a sum of
+terms of two powers. Each monomial also carries its Python-number factor (``s / n * 4`` is ``4 * n ** -1``, so is
+``s / (n / 4)``): the Trainer entry reads a factor of exactly ``gradient_accumulation_steps`` as a hand fix of a
+double division (issue 51, item 3).
 
 What user code sees during a step: the count is an instance of a ``torch.Tensor`` subclass (``isinstance(n,
 torch.Tensor)`` holds; ``type(n) is torch.Tensor`` does not), and so is every tensor computed from it until the
@@ -42,12 +56,15 @@ DIVIDED, INDEPENDENT, UNKNOWN = "divided", "independent", "unknown"
 class Verdict(NamedTuple):
     state: str  # DIVIDED, INDEPENDENT or UNKNOWN
     route: str = ""  # for UNKNOWN: what the watch saw that it cannot follow
+    factor: object = None  # for DIVIDED: the Python-number factor of ``n ** -1`` (a Fraction; None: unknown)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The algebra: what an operation's result is as a function of the count, from what its operands are. Pure.
 # A power is a Fraction (the result is count ** power times something independent of the count), a Mixed (a sum of
-# such terms with different powers), or None (any other function of the count: a comparison, a log, a rounding).
+# such terms with different powers), GUARD (a comparison that is true wherever the count is positive), or None (any
+# other function of the count: a comparison, a log, a rounding). Beside its power, a monomial carries its factor: the
+# product of the Python numbers it was multiplied or divided by (None where unknown: a sum of unequal factors).
 
 class Mixed(NamedTuple):
     powers: frozenset  # the powers of the terms
@@ -55,16 +72,23 @@ class Mixed(NamedTuple):
 
 
 ZERO, ONE, MINUS_ONE = Fraction(0), Fraction(1), Fraction(-1)
+GUARD = "positive"  # n > 0, n >= 1, n != 0: selects the same branch wherever the count is positive
 # The result is its first operand, moved, cast, viewed, reduced or clamped: the same power (a count clamped to at
-# least 1 is the count: transformers and TRL guard a division with it).
+# least 1 is the count: transformers and TRL guard a division with it; nan_to_num is the identity on a finite value).
 _SAME = frozenset({
     "to", "type", "float", "double", "half", "bfloat16", "long", "int", "cpu", "cuda", "clone", "detach", "detach_",
     "contiguous", "view", "view_as", "reshape", "reshape_as", "expand", "expand_as", "broadcast_to", "squeeze",
     "unsqueeze", "squeeze_", "unsqueeze_", "flatten", "ravel", "sum", "mean", "nansum", "nanmean", "__getitem__",
     "select", "narrow", "t", "transpose", "permute", "repeat", "abs", "__abs__", "neg", "__neg__", "negative",
     "positive", "__pos__", "clamp", "clamp_", "clamp_min", "clamp_min_", "clip", "clip_", "__get__", "requires_grad_",
-    "type_as", "split", "chunk", "unbind", "amax", "amin", "copy_", "new_tensor",
+    "type_as", "split", "chunk", "unbind", "amax", "amin", "copy_", "new_tensor", "nan_to_num", "nan_to_num_",
 })
+_NEGATING = frozenset({"neg", "__neg__", "negative"})
+# A count bounded below by a constant (torch.maximum(n, torch.ones_like(n))): the count, as clamp(min=...) is.
+_BOUND = frozenset({"maximum", "fmax"})
+# Results that hold no function of the count's value: built from its shape, dtype and device only.
+_VALUE_FREE = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
+                         "randint_like", "new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided"})
 _PRODUCT = frozenset({"mul", "mul_", "__mul__", "__rmul__", "__imul__", "multiply", "multiply_", "matmul",
                       "__matmul__", "__rmatmul__", "mm", "bmm", "outer", "dot"})
 _QUOTIENT = frozenset({"div", "div_", "divide", "divide_", "true_divide", "true_divide_", "__truediv__",
@@ -75,6 +99,13 @@ _SUM = frozenset({"add", "add_", "__add__", "__radd__", "__iadd__", "sub", "sub_
 _POW = frozenset({"pow", "pow_", "__pow__", "__ipow__", "float_power"})
 _SCALAR_POWER = {"sqrt": Fraction(1, 2), "rsqrt": Fraction(-1, 2), "reciprocal": Fraction(-1),
                  "reciprocal_": Fraction(-1), "square": Fraction(2)}
+# Comparisons of the count with a constant that hold wherever the count is positive: (name, constant) -> test.
+_GUARDS = {**dict.fromkeys(("gt", "__gt__", "greater"), lambda c: c == 0),
+           **dict.fromkeys(("ge", "__ge__", "greater_equal"), lambda c: 0 < c <= 1),
+           **dict.fromkeys(("ne", "__ne__", "not_equal"), lambda c: c == 0)}
+# A Python constant added to a positive power of the count (a count of at least one) that moves it by at most this
+# fraction: ``n + 1e-8``, ``n + eps`` is the count.
+NEGLIGIBLE = 1e-3
 # Conversions that take the count's value out of torch: the watch cannot follow it any further.
 _ESCAPES = {
     **dict.fromkeys(("item", "tolist", "__float__", "__int__", "__index__", "__bool__", "__complex__"),
@@ -95,40 +126,104 @@ def _is_number(x) -> bool:
 
 class Constant(NamedTuple):
     """An operand that is no function of the count: a tensor the step did not mark (``ref``: the tensor, held until
-    the step ends: a sum's term is often a temporary), or a Python number (``ref`` None). Power 0; kept apart in a
-    sum for ``decide``'s accountant."""
+    the step ends: a sum's term is often a temporary), or a Python number (``ref`` None, ``value`` the number).
+    Power 0; kept apart in a sum for ``decide``'s accountant. ``zero``: its value is exactly zero (a term that adds
+    nothing; read only for a sum's operands)."""
     ref: object = None
+    zero: bool = False
+    value: object = None
 
 
 OTHER = "other"  # an argument that is no value: a dtype, a device, a dimension, a string
 
 
+class Term(NamedTuple):
+    """What a result is as a function of the count (``power``: see ``combine``) and its Python-number factor (a
+    Fraction, or None where unknown)."""
+    power: object
+    factor: Fraction | None = ONE
+
+
 def combine(name: str, operands: list):
     """What ``name``'s result is as a function of the count, from its operands in call order. Each operand is a
-    power (Fraction), a Mixed, None (some other function of the count), a Constant or OTHER; so is the result (a
-    Constant result is no function of the count: ``x.to(n)``, ``x.type_as(n)``)."""
-    if not operands:
+    power (Fraction), a Mixed, GUARD, None (some other function of the count), a Constant or OTHER; so is the result
+    (a Constant result is no function of the count: ``x.to(n)``, ``x.type_as(n)``, ``torch.zeros_like(n)``)."""
+    return combine_terms(name, [t if isinstance(t, Term) else Term(t, _factor_of(t)) for t in operands]).power
+
+
+def _factor_of(operand):
+    if isinstance(operand, Constant):
+        return _fraction(operand.value) if operand.ref is None and operand.value is not None else ONE
+    return ONE if isinstance(operand, (Fraction, Mixed)) else None
+
+
+def _fraction(x) -> Fraction | None:
+    try:
+        return Fraction(x).limit_denominator(10 ** 6)
+    except (TypeError, ValueError, OverflowError):  # inf, nan
         return None
+
+
+def combine_terms(name: str, operands: list) -> Term:
+    """``combine`` with factors: each operand a Term, the result a Term."""
+    if not operands:
+        return Term(None, None)
+    if name in _VALUE_FREE:
+        return Term(Constant(), ONE)
+    first = operands[0]
     if name in _SAME:
-        return operands[0]
+        factor = first.factor
+        if factor is not None and name in _NEGATING:
+            factor = -factor
+        elif name in ("abs", "__abs__") and factor is not None:
+            factor = abs(factor)
+        return Term(first.power, factor)
+    if name in _BOUND:
+        rest = [t.power for t in operands[1:] if t.power is not OTHER]
+        if all(isinstance(p, Constant) for p in rest):
+            return first
+        return Term(None, None)
+    if name in _GUARDS:
+        if (len(operands) > 1 and isinstance(first.power, Fraction) and first.power > 0
+                and first.factor is not None and first.factor > 0 and isinstance(operands[1].power, Constant)
+                and _is_number(operands[1].power.value) and _GUARDS[name](operands[1].power.value)):
+            return Term(GUARD, None)
+        return Term(None, None)
+    if name == "where":
+        return _where(operands)
     if name in _SCALAR_POWER:
-        return _scaled(operands[0], _SCALAR_POWER[name])
+        k = _SCALAR_POWER[name]
+        factor = 1 / first.factor if k == MINUS_ONE and first.factor else None
+        return Term(_scaled(first.power, k), factor)
     if name in _POW:
-        exponent = operands[1] if len(operands) > 1 else None
-        return _scaled(operands[0], exponent) if isinstance(exponent, Fraction) else None
-    terms = [t for t in operands if t is not OTHER]
+        exponent = operands[1].power if len(operands) > 1 else None
+        if not isinstance(exponent, Fraction):
+            return Term(None, None)
+        factor = first.factor ** int(exponent) if first.factor and exponent.denominator == 1 else None
+        return Term(_scaled(first.power, exponent), factor)
+    terms = [t for t in operands if t.power is not OTHER]
     if name in _PRODUCT or name in _QUOTIENT or name in _REVERSE_QUOTIENT:
         if len(terms) != 2:
-            return None
-        a, b = terms
+            return Term(None, None)
+        (a, fa), (b, fb) = terms
         if name in _QUOTIENT:
-            b = _scaled(b, Fraction(-1))
+            b, fb = _scaled(b, MINUS_ONE), (1 / fb if fb else None)
         elif name in _REVERSE_QUOTIENT:  # other / self
-            a, b = b, _scaled(a, Fraction(-1))
-        return _product(a, b)
+            a, fa, b, fb = b, fb, _scaled(a, MINUS_ONE), (1 / fa if fa else None)
+        return Term(_product(a, b), fa * fb if fa is not None and fb is not None else None)
     if name in _SUM:
         return _sum(terms)
-    return None
+    return Term(None, None)
+
+
+def _where(operands) -> Term:
+    """torch.where(n > 0, a, b) (also Tensor.where(a, n > 0, b)): the branch taken wherever the count is positive."""
+    powers = [t.power for t in operands]
+    if len(operands) == 3 and powers[0] is GUARD:
+        return operands[1]
+    if len(operands) == 3 and powers[1] is GUARD:
+        return operands[0]
+    return Term(None, None)
 
 
 def _scaled(power, k: Fraction):
@@ -156,24 +251,36 @@ def _product(a, b):
     return None
 
 
-def _sum(terms):
-    if any(t is None or t is OTHER for t in terms):
-        return None
-    if all(isinstance(t, Constant) for t in terms):
+def _negligible(term: Term, others) -> bool:
+    """A Python constant of at most NEGLIGIBLE added to positive powers of the count only (``n + 1e-8``)."""
+    c = term.power
+    return (c.ref is None and _is_number(c.value) and abs(c.value) <= NEGLIGIBLE and bool(others)
+            and all(isinstance(t.power, Fraction) and t.power > 0 for t in others))
+
+
+def _sum(terms) -> Term:
+    if any(not isinstance(t.power, (Fraction, Mixed, Constant)) for t in terms):
+        return Term(None, None)
+    if all(isinstance(t.power, Constant) for t in terms):
         return terms[0]
+    # a term that adds nothing is no term: a constant zero, or a negligible constant added to the count
+    marked = [t for t in terms if not isinstance(t.power, Constant)]
+    terms = marked + [t for t in terms if isinstance(t.power, Constant)
+                      and not t.power.zero and not _negligible(t, marked)]
     powers, constants = set(), []
     for t in terms:
-        if isinstance(t, Mixed):
-            powers |= t.powers
-            constants.extend(t.constants)
-        elif isinstance(t, Constant):
+        if isinstance(t.power, Mixed):
+            powers |= t.power.powers
+            constants.extend(t.power.constants)
+        elif isinstance(t.power, Constant):
             powers.add(ZERO)
-            constants.append(t.ref)
+            constants.append(t.power.ref)
         else:
-            powers.add(t)
+            powers.add(t.power)
     if len(powers) == 1:
-        return next(iter(powers))
-    return Mixed(frozenset(powers), tuple(constants))
+        factors = {t.factor for t in terms}
+        return Term(next(iter(powers)), factors.pop() if len(factors) == 1 else None)
+    return Term(Mixed(frozenset(powers), tuple(constants)), None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -209,29 +316,43 @@ def _escape(route: str) -> None:
 
 
 def _power(tensor):
-    """What the step knows ``tensor`` to be as a function of the count, or _UNMARKED."""
+    """What the step knows ``tensor`` to be as a function of the count (a Term), or _UNMARKED."""
     if _live is None or not isinstance(tensor, torch.Tensor):
         return _UNMARKED
     entry = _live.marks.get(id(tensor))
     return entry[1] if entry is not None and entry[0]() is tensor else _UNMARKED
 
 
-def _mark(tensor, power) -> None:
+def _mark(tensor, term: Term) -> None:
     """Follow ``tensor`` from now on *as the same object*: its class changes, no alias is made (an alias is a view in
     autograd's eyes, and the Trainer's ``loss *= ...`` on a view of DDP's output raises). A tensor of another subclass
     (a Parameter, a DTensor) keeps its class and is followed by identity."""
     if type(tensor) is torch.Tensor:
         tensor.__class__ = _Watched
-    _live.marks[id(tensor)] = (weakref.ref(tensor), power)
+    _live.marks[id(tensor)] = (weakref.ref(tensor), term)
 
 
-def _operand(x):
+def _operand(x, summed: bool = False) -> Term:
+    """``x`` as a Term. ``summed``: an operand of a sum, whose constants are asked whether they are exactly zero (a
+    term that adds nothing); read before the operation runs, so an in-place sum asks of the value it starts from."""
     if isinstance(x, torch.Tensor):
-        p = _power(x)
-        return Constant(x) if p is _UNMARKED else p
+        term = _power(x)
+        if term is not _UNMARKED:
+            return term
+        return Term(Constant(x, zero=summed and _is_zero(x)), ONE)
     if _is_number(x):
-        return Constant(None)
-    return OTHER
+        return Term(Constant(None, zero=x == 0, value=x), _fraction(x))
+    return Term(OTHER, None)
+
+
+def _is_zero(tensor) -> bool:
+    global _inside
+    _inside += 1
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            return not bool(tensor.detach().count_nonzero())
+    finally:
+        _inside -= 1
 
 
 def _operands(name, args, kwargs):
@@ -240,20 +361,21 @@ def _operands(name, args, kwargs):
     flat = []
     for a in list(args) + [v for k, v in kwargs.items() if k != "out"]:
         flat.extend(a if isinstance(a, (list, tuple)) else (a,))
-    out = [_operand(x) for x in flat]
+    summed = name in _SUM
+    out = [_operand(x, summed) for x in flat]
     if name in _POW and len(flat) > 1 and _is_number(flat[1]):
-        out[1] = Fraction(flat[1]).limit_denominator(64)
+        out[1] = Term(Fraction(flat[1]).limit_denominator(64), None)
     return out
 
 
-def _result(name, args, kwargs):
+def _result(name, args, kwargs) -> Term:
     if name == "__get__":  # .data, .T, .mT, .real: the tensor read from
-        return _operand(args[0]) if args else None
+        return _operand(args[0]) if args else Term(None, None)
     if name == "copy_" and len(args) > 1:  # the target takes the source's value
         return _operand(args[1])
     if name == "new_tensor":
-        return _operand(args[1]) if len(args) > 1 else None
-    return combine(name, _operands(name, args, kwargs))
+        return _operand(args[1]) if len(args) > 1 else Term(None, None)
+    return combine_terms(name, _operands(name, args, kwargs))
 
 
 class _Watched(torch.Tensor):
@@ -270,26 +392,29 @@ class _Watched(torch.Tensor):
         name = getattr(func, "__name__", "")
         live = _live is not None and _live.open
         if name in _ESCAPES:
-            if live:
+            # ``if n > 0:`` reads a comparison true wherever the count is positive: it picks a branch, no value leaves
+            if live and not (name == "__bool__" and args and _power(args[0]) is not _UNMARKED
+                             and _power(args[0]).power is GUARD):
                 _escape(_ESCAPES[name])
             args = tuple(_plain(a) if isinstance(a, _Count) else a for a in args)  # NumPy refuses a dispatch key
+        # what the result is, from the operands as they are before the operation (an in-place sum changes its first)
+        term = _result(name, args, kwargs) if live and name not in _ESCAPES else None
         _inside += 1
         try:
             with torch._C.DisableTorchFunctionSubclass():
                 result = func(*args, **kwargs)
         finally:
             _inside -= 1
-        if not live or not isinstance(result, (torch.Tensor, tuple, list)):
+        if term is None or not isinstance(result, (torch.Tensor, tuple, list)):
             return result  # .shape, .device, .dtype, .requires_grad, a Python value: nothing to follow
-        power = _result(name, args, kwargs)
-        if isinstance(power, Constant) or power is OTHER:
-            return result  # x.to(n), x.type_as(n): no function of the count
+        if isinstance(term.power, Constant) or term.power is OTHER:
+            return result  # x.to(n), x.type_as(n), torch.zeros_like(n): no function of the count
         for target in _in_place_targets(name, args, kwargs):
-            _mark(target, power)
+            _mark(target, term)
         if isinstance(result, torch.Tensor):
-            return _follow(result, power)
+            return _follow(result, term)
         if any(isinstance(t, torch.Tensor) for t in result):
-            return type(result)([_follow(t, power) if isinstance(t, torch.Tensor) else t for t in result])
+            return type(result)([_follow(t, term) if isinstance(t, torch.Tensor) else t for t in result])
         return result
 
     @staticmethod
@@ -302,9 +427,9 @@ class _Watched(torch.Tensor):
     # pickling takes the value out of torch.
     def __deepcopy__(self, memo):
         copied = _plain(self).__deepcopy__(memo)
-        power = _power(self)
-        if _live is not None and _live.open and power is not _UNMARKED:
-            return _follow(copied, power)
+        term = _power(self)
+        if _live is not None and _live.open and term is not _UNMARKED:
+            return _follow(copied, term)
         return copied
 
     def __reduce_ex__(self, protocol):
@@ -312,10 +437,10 @@ class _Watched(torch.Tensor):
         return _plain(self).__reduce_ex__(protocol)
 
 
-def _follow(tensor, power):
+def _follow(tensor, term: Term):
     """``tensor`` followed, as the same object (its class changes back at ``close``)."""
     if not isinstance(tensor, _Spent):
-        _mark(tensor, power)
+        _mark(tensor, term)
     return tensor
 
 
@@ -396,7 +521,7 @@ def watch(num_items):
         return num_items
     root = torch.Tensor._make_subclass(_Count, num_items.detach())  # shares the storage: no copy, no graph
     _live = _Step()
-    _live.marks[id(root)] = (weakref.ref(root), ONE)
+    _live.marks[id(root)] = (weakref.ref(root), Term(ONE, ONE))
     return root
 
 
@@ -410,15 +535,16 @@ def decide(loss, accounted=lambda tensor: False) -> Verdict:
     step.open = False
     if _COMPILED_READS.n != step.compiled_before:
         step.escapes.append(COMPILED)
-    power = _power(loss)
+    term = _power(loss)
     if step.escapes:
         return Verdict(UNKNOWN, "the count left the watch as " + " and ".join(step.escapes))
-    if power is _UNMARKED:
+    if term is _UNMARKED:
         return Verdict(INDEPENDENT)
+    power = term.power
     if power == MINUS_ONE:
-        return Verdict(DIVIDED)
+        return Verdict(DIVIDED, factor=term.factor)
     if isinstance(power, Mixed) and power.powers == frozenset({MINUS_ONE, ZERO}) and power.constants and all(
-            term is not None and accounted(term) for term in power.constants):
+            t is not None and accounted(t) for t in power.constants):
         return Verdict(DIVIDED)
     return Verdict(UNKNOWN, "the loss is computed from the count but does not scale as one over it "
                    f"({_describe(power)})")

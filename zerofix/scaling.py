@@ -75,17 +75,20 @@ class Call(NamedTuple):
     trainer_divided: int  # what training_step divided it by
     window: int  # micro-batches in this window
     downstream: int  # what accelerate (no DeepSpeed) or the engine (scale_wrt_gas) divides by afterwards
+    carried: int = 1  # a factor the loss carries beyond what it is (a hand fix's ``* gas``): the path divides it out
 
 
 def call_of(version: tuple[int, ...], facts: TrainerFacts, *, verdict: str | None, stated: bool,
             base_ran: bool, deepspeed: bool, scale_wrt_gas: bool, accelerate_steps: int,
-            statement: bool | None = None) -> Call:
+            statement: bool | None = None, carried: int = 1) -> Call:
     """The Call of one backward. ``verdict``: what the loss does with the count (``zerofix.num_items_watch``:
     "divided", "independent" or "unknown"; None: none yet); ``stated``: someone said, rather than the Trainer
     guessed, what the loss is; ``base_ran``: the base Trainer.compute_loss ran; ``accelerate_steps``: what
     accelerate divides by without DeepSpeed (one process, DDP, FSDP1, FSDP2: the same ``Accelerator.backward``);
     ``statement``: the user's own (``zerofix.loss_is_scaled_for_ga``): True, the loss is per window already; it wins
-    over everything. An unknown verdict is never acted on: the caller follows upstream (``acts_on``)."""
+    over everything; ``carried``: a factor the loss carries beyond what it is, which the path must divide out (a loss
+    divided by the count and multiplied by the accumulation steps by hand). An unknown verdict is never acted on: the
+    caller follows upstream (``acts_on``)."""
     believed = trainer_believes_scaled(version, facts)
     # The measurement only demotes: a loss the Trainer believes per window that is independent of the count is a
     # mean, and so is one that got no count (a batch without ``labels``: what the Trainer itself concludes from
@@ -97,7 +100,7 @@ def call_of(version: tuple[int, ...], facts: TrainerFacts, *, verdict: str | Non
     return Call(loss_is_mean=mean,
                 world_multiplied=world_multiplier(version, facts) if base_ran else 1,
                 trainer_divided=trainer_division(version, facts),
-                window=facts.window, downstream=downstream)
+                window=facts.window, downstream=downstream, carried=carried)
 
 
 def acts_on(verdict: str | None, *, stated: bool, statement: bool | None, num_items: bool) -> bool:
@@ -120,6 +123,7 @@ class Plan(NamedTuple):
 def needed(call: Call) -> Fraction:
     """The factor the loss reaching Accelerator.backward must still be multiplied by (1: right as it is)."""
     wanted = Fraction(call.world_multiplied * call.window) if call.loss_is_mean else Fraction(1)
+    wanted *= call.carried
     done = Fraction(call.trainer_divided * call.downstream)
     return done / wanted
 
@@ -143,4 +147,4 @@ def applied_factor(call: Call, step: Plan) -> Fraction:
     downstream = 1 if step.no_downstream_division else call.downstream
     total = Fraction(step.multiply_by, step.divide_by) / (call.trainer_divided * downstream)
     wanted = Fraction(1, call.world_multiplied * call.window) if call.loss_is_mean else Fraction(1)
-    return total / wanted
+    return total / wanted * call.carried

@@ -125,14 +125,18 @@ def engine_lines(records, seen: set) -> list[str]:
     return lines
 
 
-def verdict_lines(records, seen: set) -> list[str]:
-    """What transformers-trainer-scaling decided for each trainer, once each (``seen`` is updated): the count handed to
-    a head whose Trainer never hands it (issue 47), steps it never sees ("not covered"), an unknown verdict and why."""
+def verdict_lines(records, seen: set, run=None) -> list[str]:
+    """What transformers-trainer-scaling decided in one run (``run``: its serial number, the entry's "run"; None: every
+    run), once each (``seen`` is updated): the count handed to a head whose Trainer never hands it (issue 47; said only
+    where it changed something or could not be proven), steps it never sees ("not covered"), an unknown verdict and
+    why, a loss read as already scaled for accumulation (issue 51)."""
     lines = []
     for record in records:
         for trainer in record.runtime or ():
             if "trainer" not in trainer or "steps_unknown" not in trainer:
                 continue
+            if run is not None and trainer.get("run") != run:
+                continue  # another run's account (a notebook's earlier Trainer)
             name = trainer["trainer"]
             said = {
                 "count_handed": lambda v: (f"zerofix: {record.id} on {name}: the count handed to {v}" if "stopped" in v
@@ -141,9 +145,12 @@ def verdict_lines(records, seen: set) -> list[str]:
                 "covered": lambda v: f"zerofix: {record.id} on {name}: {v}",
                 "route": lambda v: f"zerofix: {record.id} on {name}: the verdict is unknown ({v}); the Trainer's "
                                    "own scaling runs unchanged",
+                "scaled_for_ga": lambda v: f"zerofix: {record.id} on {name}: the loss {v}",
             }
             for key, line in said.items():
                 value = trainer.get(key)
+                if key == "count_handed" and trainer.get("count_handed_verdict") == "independent":
+                    continue  # a classifier, a masked LM: handed once, upstream's run, nothing to say
                 if value and (record.id, name, key, value) not in seen:
                     seen.add((record.id, name, key, value))
                     lines.append(line(value))
@@ -174,6 +181,17 @@ def _run_path(args, model):
     except Exception:  # noqa: BLE001 - arguments without a device set-up: one device
         n_gpu = 1
     return paths.accelerate_path(types.SimpleNamespace(**AcceleratorState._shared_state), model=model, n_gpu=n_gpu)
+
+
+def _run_of(state):
+    """The serial number of the run whose TrainerState this is (transformers-trainer-scaling's account of it), or -1
+    where that entry saw no step of it (then no other run's account is shown either)."""
+    import sys
+
+    module = sys.modules.get("zerofix.fixes.trainer_scaling")
+    found = getattr(module, "run_serial", None)
+    serial = found(state) if found is not None else None
+    return -1 if serial is None else serial
 
 
 def _records():
@@ -212,13 +230,15 @@ def _build_class():
             if state.is_world_process_zero and not self._stepped:
                 self._stepped = True
                 records = _records()
-                for line in engine_lines(records, self._engines) + verdict_lines(records, self._verdicts):
+                for line in engine_lines(records, self._engines) + verdict_lines(records, self._verdicts,
+                                                                                 _run_of(state)):
                     logger.warning(line)
 
         def on_train_end(self, args, state, control, **kwargs):
             if state.is_world_process_zero:
                 records = _records()
-                for line in (engine_lines(records, self._engines) + verdict_lines(records, self._verdicts)
+                for line in (engine_lines(records, self._engines)
+                             + verdict_lines(records, self._verdicts, _run_of(state))
                              + warning_lines(records, self._warnings)):
                     logger.warning(line)
 

@@ -10,7 +10,8 @@ TRAINER_GAS = "zerofix.check.scenarios.trainer_gas"
 LOSS_MODE = {"causal-lm": "token-mean", "custom": "batch-mean", "moe": "moe", "own-mean-llama": "batch-mean"}
 # Trainer cells whose loss is computed by the Trainer's user, not the model (``loss`` of a cell): the
 # micro-batch mean of the causal LM's tokens, returned by a compute_loss override or a compute_loss_func.
-MEAN_LOSSES = ("subclass-mean", "func-mean", "plus-zero-mean", "times-positive", "plus-reg-mean")
+MEAN_LOSSES = ("subclass-mean", "func-mean", "plus-zero-mean", "times-positive", "plus-reg-mean", "zeros-like-mean",
+               "steps-divided-mean")
 
 
 def loss_mode_of(model: str, loss: str = "model") -> str:

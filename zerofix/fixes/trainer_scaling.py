@@ -78,16 +78,22 @@ import inspect
 import logging
 import weakref
 
+import torch
+
 from accelerate.utils import DistributedType  # imported by the fixes only, once accelerate is
 
-from zerofix import num_items_watch, paths, scaling, versions
+from zerofix import activation, num_items_watch, paths, scaling, versions
 from zerofix.fixes.contract import Check, drifted, found
 
 FIX_ID = "transformers-trainer-scaling"
 FIX_IDS = (FIX_ID,)
 _STEP = "_zerofix_trainer_step"  # in accelerator.__dict__ while a Trainer step runs
 _log = logging.getLogger("zerofix")
-_details: list[dict] = []  # runtime_details(), one per trainer, in order (plain dicts: no reference to a trainer)
+_details: list[dict] = []  # runtime_details(), one per run of a trainer, in order (plain dicts: no reference to it)
+_runs = 0  # train() runs seen in this process: each run's serial number
+# What a loss says of accumulation by itself (issue 51, item 3), read where the verdict cannot tell:
+ALREADY_DIVIDED = "already divided"  # independent of the count, its last operation divides by the accumulation steps
+CARRIES_STEPS = "carries the steps"  # divided by the count with a factor of exactly the accumulation steps
 
 
 class Known:
@@ -95,7 +101,7 @@ class Known:
     depends on the model, the loss function or the arguments is read again at every ``train()`` (``run``)."""
 
     __slots__ = ("run", "path", "compiled", "verdict", "window", "stated", "statement", "details", "plans", "warned",
-                 "handing")
+                 "handing", "counted", "serial", "env_statement")
 
     def __init__(self):
         self.run = None  # trainer.state of the run the facts below were read in (a new one at every train())
@@ -106,9 +112,12 @@ class Known:
         self.window = None  # micro-batches of the current window, as get_batch_samples fetched them
         self.stated = None  # stated(trainer), read once a run: inspect.signature costs microseconds
         self.statement = None  # zerofix.loss_is_scaled_for_ga(trainer, value): the user's own statement
-        self.details = None  # this trainer's runtime_details() entry, from its first backward
+        self.details = None  # this run's runtime_details() entry, from its first backward (a new one every train())
         self.plans = {}  # facts -> scaling.Plan
         self.warned = set()  # warnings given in this run
+        self.counted = False  # the current window was counted only because zerofix hands the count (count_never_handed)
+        self.serial = 0  # this run's number in the process (runtime_details()' "run"; the Trainer log reads its own)
+        self.env_statement = None  # ZEROFIX_LOSS_IS_SCALED_FOR_GA, read at every train()
 
 
 _known: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> Known
@@ -123,7 +132,7 @@ def known(trainer) -> Known:
 
 class TrainerStep:
     __slots__ = ("trainer", "state", "num_items", "watching", "base_ran", "handled", "aux", "accounted", "call",
-                 "plan", "handed")
+                 "plan", "handed", "reading", "redo")
 
     def __init__(self, trainer, num_items, watching, state=None):
         self.trainer, self.num_items, self.watching = trainer, num_items, watching
@@ -134,6 +143,8 @@ class TrainerStep:
         self.accounted = None  # tensor -> bool: an undivided term of the loss that entry weights (its router term)
         self.call = self.plan = None  # this step's scaling.Call and Plan, once backward has them
         self.handed = False  # zerofix had the Trainer hand the model the count (count_never_handed)
+        self.reading = None  # what the loss itself says of accumulation (ALREADY_DIVIDED, CARRIES_STEPS), or None
+        self.redo = False  # a handed step whose loss is not divided by the count: run again as the Trainer runs it
 
 
 _release = None
@@ -193,7 +204,10 @@ def _new_run(trainer, state: Known, model) -> None:
     run = getattr(trainer, "state", None)
     if state.run is run and run is not None:
         return
+    global _runs
     state.run, state.stated, state.plans, state.warned = run, None, {}, set()
+    state.details, state.counted, _runs = None, False, _runs + 1
+    state.serial, state.env_statement = _runs, activation.loss_statement_from_environment()
     state.path = paths.trainer_path(trainer)
     state.compiled = _compiled(trainer, model)
     if not state.path.covered and paths.stood_aside(FIX_ID, state.path):  # the Trainer's log line: trainer_report
@@ -202,11 +216,18 @@ def _new_run(trainer, state: Known, model) -> None:
     state.handing = count_never_handed(trainer, model) if state.path.covered and not state.compiled else None
     if state.handing:
         _details_of(trainer)["count_handed"] = state.handing
-        _warn_main(trainer, "zerofix: %s says accepts_loss_kwargs = False, so the Trainer neither counts nor passes "
-                   "num_items_in_batch and averages the micro-batches' means (uneven label counts weigh micro-batches "
-                   "unequally); zerofix has the Trainer count and pass it, and follows at every step that the loss is "
-                   "divided by it (zerofix.loss_is_scaled_for_ga(trainer, False) keeps the mean of means)",
-                   state.handing)
+        # said at INFO: whether anything changes is known only once the first loss is measured (_check_handed)
+        _log.info("zerofix: %s says accepts_loss_kwargs = False, so the Trainer neither counts nor passes "
+                  "num_items_in_batch; zerofix has the Trainer count and pass it, and keeps it only for steps whose loss "
+                  "is divided by it (a step whose loss is not runs again as the Trainer runs it)", state.handing)
+    elif state.path.covered and _smoothed_never_handed(trainer, model):
+        name = _smoothed_never_handed(trainer, model)
+        _note(_details_of(trainer), "label smoothing: mean of micro-batch means")
+        _warn_main(trainer, "zerofix: %s says accepts_loss_kwargs = False and this run smooths its labels: the Trainer "
+                   "never counts num_items_in_batch for it and this release's LabelSmoother takes no count "
+                   "(transformers >= 5.24's does), so each micro-batch's loss is its own token mean and the update is "
+                   "a mean of micro-batch means (uneven label counts weigh micro-batches unequally); zerofix leaves it "
+                   "as the Trainer computes it", name)
 
 
 def count_never_handed(trainer, model) -> str | None:
@@ -218,13 +239,41 @@ def count_never_handed(trainer, model) -> str | None:
     count: their update is a mean of micro-batch means. Whether the loss is divided by the count when handed one is
     decided at every step from behaviour (the verdict); this only names the candidates: the flag False on the model's
     class, a forward taking ``**kwargs``, and nobody's word otherwise (a compute_loss_func, a label smoother, a
-    statement, transformers' or zerofix's ``loss_is_scaled_for_ga``). transformers >= 4.54 (the count's rules read
-    here)."""
+    statement, transformers' or zerofix's ``loss_is_scaled_for_ga``; a label smoother counts only where it takes the
+    count). transformers >= 4.54 (the count's rules read here)."""
+    if getattr(trainer, "compute_loss_func", None) is not None or not _smoother_takes_the_count(trainer):
+        return None
+    if getattr(trainer, "loss_is_scaled_for_ga", None) is not None or _user_statement(known(trainer)) is not None:
+        return None
+    return _flagged_class(trainer, model)
+
+
+def _smoother_takes_the_count(trainer) -> bool:
+    """No label smoother, or one the Trainer hands ``num_items_in_batch`` (transformers >= 5.24's LabelSmoother): its
+    loss is then divided by the count like the model's (decided at every step by the verdict)."""
+    smoother = getattr(trainer, "label_smoother", None)
+    if smoother is None:
+        return True
+    try:
+        return "num_items_in_batch" in inspect.signature(smoother).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _smoothed_never_handed(trainer, model) -> str | None:
+    """The class of a flagged head (see count_never_handed) whose label smoother takes no count: the mean of means stays
+    and is said (issue 51, item 4)."""
+    if getattr(trainer, "compute_loss_func", None) is not None or _smoother_takes_the_count(trainer):
+        return None
+    if getattr(trainer, "loss_is_scaled_for_ga", None) is not None or _user_statement(known(trainer)) is not None:
+        return None
+    return _flagged_class(trainer, model)
+
+
+def _flagged_class(trainer, model) -> str | None:
+    """The model class that says ``accepts_loss_kwargs = False`` while its forward takes ``**kwargs``, where the Trainer
+    took the flag (``model_accepts_loss_kwargs`` False), on transformers >= 4.54 (the count's rules read here)."""
     if release() < (4, 54) or getattr(trainer, "model_accepts_loss_kwargs", True) is not False:
-        return None
-    if getattr(trainer, "compute_loss_func", None) is not None or getattr(trainer, "label_smoother", None) is not None:
-        return None
-    if getattr(trainer, "loss_is_scaled_for_ga", None) is not None or known(trainer).statement is not None:
         return None
     try:
         inner = _unwrap_peft(trainer.accelerator.unwrap_model(model))
@@ -266,6 +315,10 @@ def training_step(wrapped, trainer, args, kwargs):
     if not state.path.covered:
         return wrapped(*args, **kwargs)
     num_items = _num_items_arg(args, kwargs)
+    if num_items is not None and state.counted and not state.handing:
+        # the window was counted only for a handing that stopped within it: the Trainer would pass no count
+        num_items, (args, kwargs) = None, _with_num_items(args, kwargs, None)
+    plain = args, kwargs
     # Every step is watched (the cost: the few operations on the count, tests/benchmarks): the verdict is
     # this step's, so a loss that starts reading the count later, or a new model, is seen as it is.
     watching = num_items is not None and not state.compiled
@@ -274,13 +327,38 @@ def training_step(wrapped, trainer, args, kwargs):
             num_items_watch.as_tensor_like_release(num_items)))
     step = accelerator.__dict__[_STEP] = TrainerStep(trainer, num_items, watching, state)
     step.handed = bool(state.handing) and num_items is not None
+    before = _Before(plain[0][0] if plain[0] else plain[1].get("model")) if step.handed else None
     try:
         with _Handing(trainer, step.handed):
-            return num_items_watch.unwatched(wrapped(*args, **kwargs))  # the Trainer's running loss stays plain
+            result = num_items_watch.unwatched(wrapped(*args, **kwargs))  # the Trainer's running loss stays plain
     finally:
         accelerator.__dict__.pop(_STEP, None)
         if watching:
             num_items_watch.close()  # whatever the step kept (a buffer, a running sum, a copy) is plain again
+    if not step.redo:
+        return result
+    before.restore()  # the step as the Trainer runs it, from where the handed one started
+    return training_step(wrapped, trainer, *_with_num_items(*plain, None))
+
+
+class _Before:
+    """What a handed step's forward changes besides its loss, to run it again from the same point: the random states
+    (dropout draws the same masks) and the model's buffers (running statistics, counters)."""
+
+    def __init__(self, model):
+        self.cpu = torch.random.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() \
+            else None
+        buffers = model.buffers() if isinstance(model, torch.nn.Module) else ()
+        self.buffers = [(b, b.detach().clone()) for b in buffers]
+
+    def restore(self) -> None:
+        torch.random.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        with torch.no_grad():
+            for buffer, value in self.buffers:
+                buffer.copy_(value)
 
 
 def _compiled(trainer, model) -> bool:
@@ -317,7 +395,8 @@ def get_batch_samples(wrapped, trainer, args, kwargs):
             pass
     state = known(trainer)
     _new_run(trainer, state, getattr(trainer, "model", None))
-    with _Handing(trainer, bool(state.handing)):  # the Trainer counts the window only for a model it hands it to
+    state.counted = bool(state.handing)
+    with _Handing(trainer, state.counted):  # the Trainer counts the window only for a model it hands it to
         result = wrapped(*args, **kwargs)
     try:
         state.window = len(result[0])
@@ -349,7 +428,7 @@ def _trainer_guess(model) -> bool:
 
 def stated(trainer) -> bool:
     """Whether someone said, rather than the Trainer guessed, whether the loss is per window."""
-    if known(trainer).statement is not None or getattr(trainer, "loss_is_scaled_for_ga", None) is not None:
+    if _user_statement(known(trainer)) is not None or getattr(trainer, "loss_is_scaled_for_ga", None) is not None:
         return True
     loss_func = getattr(trainer, "compute_loss_func", None)
     if loss_func is not None and not callable(loss_func):  # TRL's marker for loss_is_scaled_for_ga before 5.19
@@ -360,7 +439,9 @@ def stated(trainer) -> bool:
         model = trainer.model
     if loss_func is None and hasattr(type(_unwrap_peft(model)), "accepts_loss_kwargs"):  # the model's author said
         return True
-    return bool(getattr(trainer, "model_accepts_loss_kwargs", False)) != _trainer_guess(model)
+    # while zerofix hands the count (count_never_handed), the flag is zerofix's, not anybody's word
+    accepts = bool(getattr(trainer, "model_accepts_loss_kwargs", False)) and not known(trainer).handing
+    return accepts != _trainer_guess(model)
 
 
 def _stated_once(trainer) -> bool:
@@ -370,22 +451,28 @@ def _stated_once(trainer) -> bool:
     return state.stated
 
 
-def describe(accelerator, step: TrainerStep, kwargs) -> scaling.Call:
+def _facts(accelerator, step: TrainerStep) -> scaling.TrainerFacts:
     trainer, state = step.trainer, step.state
     gas = int(trainer.args.gradient_accumulation_steps)
-    facts = scaling.TrainerFacts(
+    return scaling.TrainerFacts(
         accepts_loss_kwargs=bool(getattr(trainer, "model_accepts_loss_kwargs", False)),
         compute_loss_func=getattr(trainer, "compute_loss_func", None) is not None,
         num_items=step.num_items is not None,
         average_tokens=bool(getattr(trainer.args, "average_tokens_across_devices", False)),
         loss_is_scaled_for_ga=getattr(trainer, "loss_is_scaled_for_ga", None),
         processes=int(accelerator.num_processes), gas=gas, window=int(state.window or gas))
+
+
+def describe(accelerator, step: TrainerStep, kwargs) -> scaling.Call:
+    trainer, state = step.trainer, step.state
+    facts = _facts(accelerator, step)
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     return scaling.call_of(
         release(), facts, verdict=_state_of(state.verdict), stated=_stated_once(trainer), statement=_statement(step),
         base_ran=step.base_ran,
         deepspeed=deepspeed, scale_wrt_gas=bool(kwargs.get("scale_wrt_gas", True)),
-        accelerate_steps=int(accelerator.gradient_accumulation_steps))
+        accelerate_steps=int(accelerator.gradient_accumulation_steps),
+        carried=facts.gas if step.reading == CARRIES_STEPS else 1)
 
 
 def _state_of(verdict) -> str | None:
@@ -398,7 +485,15 @@ def _statement(step: TrainerStep) -> bool | None:
     state = step.state
     if step.handed and _state_of(state.verdict) != num_items_watch.DIVIDED:
         return False
-    return state.statement
+    statement = _user_statement(state)
+    if statement is None and step.reading == ALREADY_DIVIDED:
+        return True  # the loss's own last operation says it: per window
+    return statement
+
+
+def _user_statement(state: Known) -> bool | None:
+    """zerofix.loss_is_scaled_for_ga(trainer, value), else ZEROFIX_LOSS_IS_SCALED_FOR_GA (read at every train())."""
+    return state.statement if state.statement is not None else state.env_statement
 
 
 def _plan(accelerator, step: TrainerStep, kwargs) -> tuple[scaling.Call, scaling.Plan]:
@@ -408,7 +503,7 @@ def _plan(accelerator, step: TrainerStep, kwargs) -> tuple[scaling.Call, scaling
     trainer, state = step.trainer, step.state
     key = (getattr(trainer, "model_accepts_loss_kwargs", None), getattr(trainer, "compute_loss_func", None) is None,
            getattr(trainer, "loss_is_scaled_for_ga", None), step.num_items is None, step.base_ran,
-           state.window, _state_of(state.verdict), _statement(step), kwargs.get("scale_wrt_gas", True),
+           state.window, _state_of(state.verdict), _statement(step), step.reading, kwargs.get("scale_wrt_gas", True),
            accelerator.gradient_accumulation_steps, trainer.args.gradient_accumulation_steps)
     if key not in state.plans:
         call = describe(accelerator, step, kwargs)
@@ -440,26 +535,41 @@ def _record_verdict(step: TrainerStep, verdict) -> dict:
 
 def _check_handed(step: TrainerStep, verdict, details) -> None:
     """A step of a model the Trainer never hands the count, handed it by zerofix: right when the loss is divided by it.
-    Otherwise (its forward computes its own mean, or what it does cannot be told) this step is scaled as the Trainer
-    would have scaled it, a micro-batch mean, and no later step is handed the count: upstream's mean of means, said."""
+    Otherwise (its forward computes its own mean, or what it does cannot be told) the handing changed a step it cannot
+    prove right: that step runs again as the Trainer runs it (``redo``: no backward of this loss, the random state and
+    the buffers as they were, no count) and no later step is handed the count, so every step is upstream's (issue 51,
+    item 2). Said at WARNING only where the run keeps a mean of means it may not mean (unknown); a loss independent of
+    the count (a classifier, a masked LM, a forward computing its own mean) is upstream's and said at INFO."""
     state = step.state
     details["steps_handed"] = details.get("steps_handed", 0) + 1
     if verdict is not None and verdict.state == num_items_watch.DIVIDED:
         details["corrected"] += 1  # this backward differs from upstream's: its loss was divided by the handed count
         return
-    name, state.handing, state.plans = state.handing, None, {}
-    details["count_handed"] = f"{name}: stopped, the loss is not divided by the count"
-    _warn_main(step.trainer, "zerofix: %s was handed num_items_in_batch but its loss is %s: the Trainer's mean of "
-               "micro-batch means stays for this run (uneven label counts weigh micro-batches unequally)", name,
-               "independent of it (its forward computes its own mean)" if verdict is not None
-               and verdict.state == num_items_watch.INDEPENDENT else f"unknown ({verdict.route if verdict else ''})")
+    name, state.handing, state.plans, state.stated = state.handing, None, {}, None
+    step.redo = True
+    independent = verdict is not None and verdict.state == num_items_watch.INDEPENDENT
+    at = getattr(getattr(step.trainer, "state", None), "global_step", 0) + 1
+    details["count_handed"] = (f"{name}: stopped at optimizer step {at}, the loss is not divided by the count; that "
+                               "micro-batch ran again without it and every step from there is the Trainer's own")
+    details["count_handed_verdict"] = verdict.state if verdict is not None else num_items_watch.UNKNOWN
+    if independent:
+        _log.info("zerofix: %s's loss is independent of num_items_in_batch: zerofix stopped handing it the count at "
+                  "optimizer step %d and ran that micro-batch again without it: this run is the Trainer's own", name, at)
+        return
+    _warn_main(step.trainer, "zerofix: %s was handed num_items_in_batch at optimizer step %d, but whether its loss is "
+               "divided by it cannot be told (%s): that micro-batch ran again without the count, as the Trainer runs "
+               "it, and every step from there is the Trainer's own, a mean of micro-batch means (uneven label counts "
+               "weigh micro-batches unequally)%s. If the loss is divided by num_items_in_batch, say so: "
+               "zerofix.loss_is_scaled_for_ga(trainer) or ZEROFIX_LOSS_IS_SCALED_FOR_GA=1", name, at,
+               verdict.route if verdict is not None else "not measured",
+               "" if at == 1 else f"; steps 1-{at - 1} were divided by the count, the token mean")
 
 
 def _details_of(trainer) -> dict:
     """The trainer's runtime_details() entry, made at its first backward."""
     state = known(trainer)
     if state.details is None:
-        state.details = {"trainer": type(trainer).__name__, "loss": "not measured", "stated": False,
+        state.details = {"trainer": type(trainer).__name__, "run": state.serial, "loss": "not measured", "stated": False,
                          "backwards": 0, "corrected": 0, "steps_divided": 0, "steps_independent": 0,
                          "steps_unknown": 0}
         _details.append(state.details)
@@ -474,15 +584,17 @@ def _note(details, warning: str) -> None:
 def _warn_unknown(step: TrainerStep, verdict) -> None:
     """Once a run, where the verdict is unknown and nobody stated what the loss is: zerofix follows upstream."""
     trainer, state = step.trainer, step.state
-    if state.stated or state.statement is not None or "unknown" in state.warned:
+    if state.stated or _user_statement(state) is not None or "unknown" in state.warned:
         return
     state.warned.add("unknown")
     _note(state.details, "unknown verdict: upstream's path followed")
     _warn_main(trainer, "zerofix: whether %s's loss is divided by num_items_in_batch cannot be told: %s. zerofix "
                "leaves this run to the Trainer's own scaling, which is right only if the Trainer's guess is (it "
-               "believes the loss %s). Say what the loss is: zerofix.loss_is_scaled_for_ga(trainer) if it is divided "
-               "by the count or already divided by gradient_accumulation_steps, zerofix.loss_is_scaled_for_ga(trainer, "
-               "False) if it is a micro-batch mean (or trainer.loss_is_scaled_for_ga on transformers >= 5.19)",
+               "believes the loss %s). Say what the loss is: zerofix.loss_is_scaled_for_ga(trainer) or "
+               "ZEROFIX_LOSS_IS_SCALED_FOR_GA=1 if it is divided by the count or already divided by "
+               "gradient_accumulation_steps, zerofix.loss_is_scaled_for_ga(trainer, False) or "
+               "ZEROFIX_LOSS_IS_SCALED_FOR_GA=0 if it is a micro-batch mean (or trainer.loss_is_scaled_for_ga on "
+               "transformers >= 5.19)",
                type(trainer).__name__, verdict.route,
                "per window" if step.call is not None and not step.call.loss_is_mean else "a micro-batch mean")
 
@@ -497,8 +609,9 @@ def _warn_rescaled(step: TrainerStep, call: scaling.Call) -> None:
     _note(state.details, "rescaled as a mean, unstated")
     _warn_main(trainer, "zerofix: %s's loss is independent of num_items_in_batch: zerofix scales it as a "
                "micro-batch mean (averaged over the window's %d micro-batches). If your compute_loss already divides "
-               "it by gradient_accumulation_steps, state it: zerofix.loss_is_scaled_for_ga(trainer) "
-               "(or trainer.loss_is_scaled_for_ga = True on transformers >= 5.19)",
+               "it by gradient_accumulation_steps, state it: zerofix.loss_is_scaled_for_ga(trainer) or, from the "
+               "environment, ZEROFIX_LOSS_IS_SCALED_FOR_GA=1 (or trainer.loss_is_scaled_for_ga = True on "
+               "transformers >= 5.19)",
                type(trainer).__name__, call.window)
 
 
@@ -506,6 +619,14 @@ def runtime_details() -> list[dict]:
     """Per trainer seen: the verdicts of its steps (divided, independent, unknown and why), whether what the loss is
     was stated, and how many of its backwards zerofix changed (0: every one went through as upstream's)."""
     return [dict(d) for d in _details]
+
+
+def run_serial(trainer_state) -> int | None:
+    """The serial number of the run whose ``trainer.state`` this is (its runtime_details() entry's "run"), or None."""
+    for state in list(_known.values()):
+        if state.run is trainer_state and state.details is not None:
+            return state.serial
+    return None
 
 
 def reset_runtime() -> None:
@@ -535,7 +656,12 @@ def backward(wrapped, accelerator, args, kwargs):
     details = _record_verdict(step, verdict)
     if step.handed:
         _check_handed(step, verdict, details)
+        if step.redo:  # no backward of a loss the handed count changed: training_step runs the micro-batch again
+            return None
+    step.reading = _reading(accelerator, step, verdict, loss)
     step.call, plan = _plan(accelerator, step, kwargs)
+    if step.reading is not None:
+        _say_reading(step, plan)
     step.plan = plan
     if verdict is not None and verdict.state == num_items_watch.UNKNOWN:
         _warn_unknown(step, verdict)
@@ -558,6 +684,75 @@ def backward(wrapped, accelerator, args, kwargs):
         return wrapped(*args, **kwargs)
     finally:
         accelerator.gradient_accumulation_steps = steps
+
+
+def _reading(accelerator, step: TrainerStep, verdict, loss) -> str | None:
+    """What the loss says of accumulation by itself, where nobody stated it (issue 51, item 3; issue 53: ms-swift's RLHF
+    trainers divide their loss by the accumulation steps themselves):
+
+    - ALREADY_DIVIDED: a loss independent of the count whose last operation divides it by exactly
+      ``gradient_accumulation_steps`` (or multiplies it by the inverse), where the Trainer does not divide it itself
+      (the Trainer's own division is then the last operation, and would read the same). Read as the statement "per
+      window", which the user would otherwise have to make; a micro-batch mean would need that very division.
+    - CARRIES_STEPS: a loss divided by the count and multiplied by exactly the accumulation steps (``s / n * GAS``, or the
+      count divided by them handed to the model): a hand fix of transformers 5.2 - 5.5.3's second division. The path
+      then divides it exactly once by the steps: nothing changes where a second division follows (5.3), one division
+      is added where none does.
+    Both are read from the loss (its autograd graph's last node and saved constant, the watch's factor), never from the
+    trainer's class; a statement wins over both."""
+    trainer, state = step.trainer, step.state
+    if verdict is None or _user_statement(state) is not None or _stated_once(trainer):
+        return None
+    gas = int(trainer.args.gradient_accumulation_steps)
+    if gas <= 1:
+        return None
+    if verdict.state == num_items_watch.DIVIDED and verdict.factor == gas:
+        return CARRIES_STEPS
+    if verdict.state != num_items_watch.INDEPENDENT or not _last_divides_by(loss, gas):
+        return None
+    return ALREADY_DIVIDED if scaling.trainer_division(release(), _facts(accelerator, step)) == 1 else None
+
+
+def _last_divides_by(loss, divisor: int) -> bool:
+    """Whether ``loss``'s last operation divides it by ``divisor`` or multiplies it by ``1 / divisor`` (a Python number
+    or a one-element tensor with no gradient: what ``loss / gas`` saves)."""
+    node = getattr(loss, "grad_fn", None)
+    kind = type(node).__name__
+    if kind.startswith("DivBackward"):
+        wanted, constants = float(divisor), (getattr(node, "_saved_other", None),)
+    elif kind.startswith("MulBackward"):
+        wanted, constants = 1.0 / divisor, (getattr(node, "_saved_other", None), getattr(node, "_saved_self", None))
+    else:
+        return False
+    for value in constants:
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1 or value.requires_grad:
+                continue
+            value = value.item()
+        if isinstance(value, (int, float)) and abs(value - wanted) <= 1e-6 * wanted:
+            return True
+    return False
+
+
+_READ = {ALREADY_DIVIDED: "is independent of num_items_in_batch and its last operation divides it by "
+                          "gradient_accumulation_steps ({gas}): read as already per accumulation window",
+         CARRIES_STEPS: "is divided by num_items_in_batch and multiplied by gradient_accumulation_steps ({gas}), a hand "
+                        "fix of a second division by the accumulation steps: read as one window's loss times {gas}"}
+
+
+def _say_reading(step: TrainerStep, plan: scaling.Plan) -> None:
+    """Once a run: what the loss's own reading made zerofix do (the runtime details and the Trainer log say it too)."""
+    state = step.state
+    if "reading" in state.warned:
+        return
+    state.warned.add("reading")
+    gas = int(step.trainer.args.gradient_accumulation_steps)
+    did = ("zerofix changes the path so it divides exactly as that needs" if plan.changes
+           else "the Trainer's own path already scales it right, and runs unchanged")
+    said = f"{_READ[step.reading].format(gas=gas)}; {did}"
+    _details_of(step.trainer)["scaled_for_ga"] = said
+    _warn_main(step.trainer, "zerofix: %s's loss %s (a statement wins: zerofix.loss_is_scaled_for_ga(trainer, value) "
+               "or ZEROFIX_LOSS_IS_SCALED_FOR_GA=1/0)", type(step.trainer).__name__, said)
 
 
 # accelerator -> its trainer, while the trainer's loop fetches windows (get_batch_samples): a backward of that

@@ -33,7 +33,48 @@ from zerofix.check.session import collect_and_freeze, freeze_once
 DIVISOR_ROUTES = ("count-tensor", "count-numpy", "count-item", "count-jit", "compiled-func")
 COUNT_ROWS = DIVISOR_ROUTES + ("deepcopy-model", "plus-zero", "plus-zero-mean", "times-positive", "plus-reg-mean",
                                "kept-count", "bypass")
-USER_LOSSES = ("logged-count", "deepcopy-count", "hand-divided", "hand-divided-stated", "late-count") + COUNT_ROWS
+# Issue 51's rows. The token sum divided by the count through an identity real code writes (divided): a chunked sum
+# started from a Python 0, Python's sum(), an accumulator from n.new_zeros(()); s / (n + 1e-8), s / maximum(n, 1),
+# where(n > 0, s / n, 0 * s), nan_to_num(s / n). zeros-like-mean: the micro-batch mean plus torch.zeros_like(n)
+# (independent). A loss that says what it is: steps-divided-mean, the micro-batch mean divided by
+# gradient_accumulation_steps where the Trainer hands the count (ms-swift's RLHF trainers); times-steps, the model's
+# loss times the steps, and count-over-steps, the model handed n / steps (hand fixes of 5.2 - 5.5.3's second
+# division). plus-z-loss: the model's loss plus 0.01 times a z-loss of its logits (a sum of two powers: unknown).
+IDIOM_ROWS = ("sum-from-zero", "python-sum", "new-zeros-sum", "plus-eps", "maximum-one", "where-positive",
+              "nan-to-num")
+STATED_ROWS = ("zeros-like-mean", "steps-divided-mean", "times-steps", "count-over-steps", "plus-z-loss")
+USER_LOSSES = (("logged-count", "deepcopy-count", "hand-divided", "hand-divided-stated", "late-count") + COUNT_ROWS
+               + IDIOM_ROWS + STATED_ROWS)
+
+
+def idiom_loss(idiom: str, token_losses, count):
+    """The token sum divided by the count, written as ``idiom`` (IDIOM_ROWS); ``token_losses``: per token, 0 where
+    ignored."""
+    import torch
+
+    chunks = token_losses.split(5)
+    s = token_losses.sum()
+    if idiom == "sum-from-zero":
+        tot = 0
+        for c in chunks:
+            tot += c.sum() / count
+        return tot
+    if idiom == "python-sum":
+        return sum(c.sum() / count for c in chunks)
+    if idiom == "new-zeros-sum":
+        acc = count.new_zeros((), dtype=s.dtype)
+        for c in chunks:
+            acc += c.sum() / count
+        return acc
+    if idiom == "plus-eps":
+        return s / (count + 1e-8)
+    if idiom == "maximum-one":
+        return s / torch.maximum(count, torch.ones_like(count))
+    if idiom == "where-positive":
+        return torch.where(count > 0, s / count, 0 * s)
+    if idiom == "nan-to-num":
+        return torch.nan_to_num(s / count)
+    raise ValueError(idiom)
 
 
 def _divide(total, count):
@@ -237,9 +278,18 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         def _get_train_sampler(self, *a, **k):
             return SequentialSampler(self.train_dataset)
 
+        def _record(self, inputs):
+            """The samples of one micro-batch, once per Trainer call (zerofix may run a handed micro-batch's
+            Trainer.training_step again: issue 51, item 2)."""
+            windows.setdefault(self.state.global_step, []).append([int(i) for i in inputs["sample_idx"]])
+
+        if args.loss != "bypass":
+            def training_step(self, model, inputs, *a, **k):
+                self._record(inputs)
+                return super().training_step(model, inputs, *a, **k)
+
         def compute_loss(self, model, inputs, *a, **k):
-            idx = inputs.pop("sample_idx")
-            windows.setdefault(self.state.global_step, []).append([int(i) for i in idx])
+            inputs.pop("sample_idx", None)
             count = k.get("num_items_in_batch", a[1] if len(a) > 1 else None)
             if args.loss == "subclass-mean" or (args.loss == "late-count" and self.state.global_step == 0):
                 labels = inputs.pop("labels")  # a user's own loss: the micro-batch's token mean, no super()
@@ -255,6 +305,26 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
                 return mean + 0 * count if args.loss == "plus-zero-mean" else mean * (count > 0)
             if args.loss == "plus-zero":
                 return super().compute_loss(model, inputs, *a, **k) + 0 * count
+            if args.loss in IDIOM_ROWS:
+                labels = inputs.pop("labels")
+                return idiom_loss(args.loss, models.next_token_ce(model(**inputs).logits, labels, "none"), count)
+            if args.loss == "zeros-like-mean":
+                labels = inputs.pop("labels")
+                return models.next_token_ce(model(**inputs).logits, labels, "mean") + torch.zeros_like(count)
+            if args.loss == "steps-divided-mean":  # ms-swift 4.6's RLHF trainers, as they write it
+                labels = inputs.pop("labels")
+                loss = models.next_token_ce(model(**inputs).logits, labels, "mean")
+                if count is not None and self.model_accepts_loss_kwargs:
+                    loss = loss / self.args.gradient_accumulation_steps
+                return loss
+            if args.loss == "times-steps":
+                return super().compute_loss(model, inputs, *a, **k) * self.args.gradient_accumulation_steps
+            if args.loss == "count-over-steps":
+                steps = self.args.gradient_accumulation_steps
+                return super().compute_loss(model, inputs, num_items_in_batch=count / steps)
+            if args.loss == "plus-z-loss":
+                loss, outputs = super().compute_loss(model, inputs, return_outputs=True, **k)
+                return loss + 0.01 * torch.logsumexp(outputs.logits, dim=-1).pow(2).mean()
             if args.loss == "deepcopy-model":
                 return super().compute_loss(model, inputs, num_items_in_batch=copy.deepcopy(count))
             if args.loss == "kept-count":
@@ -266,7 +336,7 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
                 loss = super().compute_loss(model, inputs, *a, **k)
                 self.zerofix_kept["running"] = self.zerofix_kept.get("running", torch.zeros(())) + loss.detach()
                 return loss
-            if args.loss == "logged-count":
+            if args.loss == "logged-count" and count is not None:  # (a head the Trainer never hands a count: None)
                 self.zerofix_logged = (float(count), count.item())
             if args.loss == "deepcopy-count":
                 self.zerofix_copied = copy.deepcopy(count)
@@ -278,6 +348,7 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         if args.loss == "bypass":
             def training_step(self, model, inputs, num_items_in_batch=None):
                 """A user's step that never calls Trainer.training_step (issue 46, item 4)."""
+                self._record(inputs)
                 model.train()
                 loss = self.compute_loss(model, self._prepare_inputs(inputs), num_items_in_batch=num_items_in_batch)
                 self.accelerator.backward(loss)
