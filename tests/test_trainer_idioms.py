@@ -76,7 +76,7 @@ def test_issue_51_rows(ranks, stack):
                 assert fixed["bitwise_as_unpatched"] is True, (where, fixed)
             else:  # the first window from the same weights: 4x; the z-loss's own term keeps its ratio near 1
                 assert fixed_windows[0]["ratio"] == pytest.approx(4 * windows[0]["ratio"], rel=1e-5), (where, fixed)
-                assert [w["ratio"] for w in fixed_windows] == pytest.approx([1.0] * 2, rel=2e-3), (where, fixed)
+                assert [w["ratio"] for w in fixed_windows] == pytest.approx([1.0] * 2, rel=2e-2), (where, fixed)
             assert "stopped at optimizer step 1" in runtime.get("count_handed", ""), (where, runtime)
             assert runtime.get("count_handed_verdict") == "unknown", (where, runtime)
             assert runtime["corrected"] == (0 if stack == "latest" else 8), (where, runtime)  # 5.3: every backward
