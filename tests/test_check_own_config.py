@@ -647,3 +647,21 @@ def test_own_configuration_with_a_vision_language_model_on_latest(tmp_path):
     assert verdicts(document) == {"trainer-causal-lm": "fixed by transformers-trainer-scaling"}
     row = document["scenarios"][0]
     assert row["unpatched"]["rel_err"] > 0.05 and row["patched"]["rel_err"] < 1e-5, row
+
+
+def test_the_trainer_log_of_a_run_says_only_what_that_run_decided():
+    """Issue 51, item 5: two Trainers of one class in a process (a notebook), the first with an unknown verdict: the
+    second run's log says nothing of the first's. A head handed the count whose loss is independent of it (a
+    classifier, a masked LM) is not said at all: nothing changed."""
+    from zerofix import trainer_report
+    from zerofix.patching import Record
+
+    details = [{"trainer": "Trainer", "run": 1, "steps_unknown": 1, "route": "the count left the watch as a number"},
+               {"trainer": "Trainer", "run": 2, "steps_unknown": 0, "scaled_for_ga": "is ... read as per window"},
+               {"trainer": "Trainer", "run": 3, "steps_unknown": 0, "count_handed_verdict": "independent",
+                "count_handed": "ConvNextForImageClassification: stopped at optimizer step 1, ..."}]
+    records = [Record("transformers-trainer-scaling", "applied", "transformers", "5.24.0", "", "", tuple(details))]
+    assert trainer_report.verdict_lines(records, set(), run=2) == [
+        "zerofix: transformers-trainer-scaling on Trainer: the loss is ... read as per window"]
+    assert trainer_report.verdict_lines(records, set(), run=3) == []
+    assert len(trainer_report.verdict_lines(records, set(), run=1)) == 1

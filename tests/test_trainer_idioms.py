@@ -10,6 +10,8 @@ second time):
   (ms-swift's RLHF trainers) is per window; the model's loss times the steps, or the model handed ``n / steps`` (hand
   fixes of 5.3's second division) is one window's loss times the steps. Each reaches the reference, bitwise upstream's
   where upstream is right, and says once what it read;
+- label smoothing on a head the Trainer never hands the count: handed where the release's LabelSmoother takes the
+  count (5.24: the smoothed token mean), else upstream's mean of means with one WARNING (5.3);
 - a head the Trainer never hands the count (``nokw-llama``) under a ``compute_loss`` override that logs the count or
   adds a z-loss: every step is upstream's mean of means (bitwise on 5.24; 5.3's second division undone, as for any
   mean), the handed first step ran again without the count, and one WARNING says so.
@@ -31,15 +33,27 @@ LM = {"model": "causal-lm", "gas": 4, "lr": 5.0}
 WINDOWS = 2 * 4 * 2  # two optimizer steps: the never-handed rows hold every step, not the first alone
 
 
-def row_cells() -> list[dict]:
+def row_cells(stack: str = "latest") -> list[dict]:
     return ([{**LM, "name": r, "loss": r} for r in IDIOM_ROWS + ("zeros-like-mean", "steps-divided-mean",
                                                                   "times-steps", "count-over-steps")]
             + [{"name": f"nokw-{r}", "model": "nokw-llama", "loss": r, "gas": 4, "lr": 5.0, "samples": WINDOWS,
-                "loss_modes": ["batch-mean", "batch-mean"]} for r in ("logged-count", "plus-z-loss")])
+                "loss_modes": ["batch-mean", "batch-mean"]} for r in ("logged-count", "plus-z-loss")]
+            + [smoothed_cell(stack)])
+
+
+SMOOTHING = 0.1
+
+
+def smoothed_cell(stack: str) -> dict:
+    """Label smoothing on a head the Trainer never hands the count: 5.24's LabelSmoother takes the count, so zerofix
+    hands it and the update is the smoothed token mean; 5.3's takes none, so the mean of means stays, said."""
+    patched_mode = "smoothed-token-mean" if stack == "latest" else "smoothed-batch-mean"
+    return {"name": "nokw-smoothed", "model": "nokw-llama", "gas": 4, "lr": 5.0, "label_smoothing": SMOOTHING,
+            "loss_modes": f"{patched_mode}:{SMOOTHING}", "unpatched_mode": f"smoothed-batch-mean:{SMOOTHING}"}
 
 
 def rows_requests(stack):
-    return [parity.trainer_request(row_cells(), nproc=1, name="trainer-idioms")]
+    return [parity.trainer_request(row_cells(stack), nproc=1, name="trainer-idioms")]
 
 
 def unpatched_factor(stack: str, name: str) -> float:
@@ -56,7 +70,7 @@ def unpatched_factor(stack: str, name: str) -> float:
 @uses(rows_requests)
 def test_issue_51_rows(ranks, stack):
     results = ranks.result(*rows_requests(stack))
-    for cell in row_cells():
+    for cell in row_cells(stack):
         name = cell["name"]
         bug, fixed = results[name]["unpatched"], results[name]["patched"]
         where = f"{name} on {stack}"
@@ -64,6 +78,16 @@ def test_issue_51_rows(ranks, stack):
         print(f"{where}: unpatched {bug['ratio']:.4f}, patched {fixed['ratio']:.4f} ({runtime.get('loss')}; "
               f"{runtime.get('scaled_for_ga') or runtime.get('count_handed') or ''})")
         assert all(s[ENTRY] == "applied" for s in fixed["rank_status"]), (where, fixed["rank_status"])
+        if name == "nokw-smoothed":
+            as_bug = results[name]["unpatched_as_bug"]
+            assert as_bug["ratio"] == pytest.approx(1.0 if stack == "latest" else 0.25, rel=1e-5), (where, as_bug)
+            assert fixed["rel_err"] < EXACT, (where, fixed)
+            if stack == "latest":  # handed and divided by the smoother: the token mean, nothing to warn of
+                assert bug["cosine"] < 0.999 and runtime["steps_divided"] >= 1, (where, bug, runtime)
+                assert not runtime.get("warnings"), (where, runtime)
+            else:  # the smoother takes no count: upstream's mean of means (its second division undone), said once
+                assert runtime.get("warnings") == ["label smoothing: mean of micro-batch means"], (where, runtime)
+            continue
         if name.startswith("nokw-"):
             # upstream's mean of means at every step: bitwise on 5.24; on 5.3 its second division undone (4x)
             windows, fixed_windows = bug.get("per_window", [bug]), fixed.get("per_window", [fixed])

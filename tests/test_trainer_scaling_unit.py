@@ -316,3 +316,29 @@ def test_a_handed_head_whose_loss_ignores_the_count_runs_its_step_again_as_the_t
     assert fix.known(t).handing is None and "stopped" in fix.runtime_details()[-1]["count_handed"]
     assert "independent of num_items_in_batch" in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+def test_each_run_has_its_own_account():
+    """Issue 51, item 5: every train() (a new trainer.state) gets its own runtime_details() entry, numbered; the
+    Trainer log of a run reads only its own (run_serial)."""
+    first, second = trainer(), trainer()
+    run_step(first, torch.tensor(12), lambda n: torch.tensor(24.0) / n.item())  # unknown
+    run_step(second, torch.tensor(12), lambda n: torch.tensor(24.0) / n)  # divided
+    a, b = fix.run_serial(first.state), fix.run_serial(second.state)
+    assert a is not None and b is not None and a != b
+    accounts = {d["run"]: d for d in fix.runtime_details()}
+    assert accounts[a]["steps_unknown"] == 1 and accounts[b]["steps_unknown"] == 0 and "route" not in accounts[b]
+    second.state = types.SimpleNamespace()  # train() again: a new run, a new entry
+    run_step(second, torch.tensor(12), lambda n: torch.tensor(24.0) / n)
+    assert fix.run_serial(second.state) not in (a, b, None)
+
+
+def test_what_a_loss_says_of_accumulation_is_read_from_its_last_operation():
+    """Issue 51, item 3: ``loss / gas`` and ``loss * (1 / gas)`` (a Python number, or a one-element tensor without a
+    gradient); not another divisor, not a divisor that is itself trained, not an earlier operation."""
+    x = torch.ones(3, requires_grad=True)
+    loss = x.sum()
+    for divided in (loss / 4, loss * 0.25, 0.25 * loss, loss / torch.tensor(4), loss.div(4.0), torch.tensor(0.25) * loss):
+        assert fix._last_divides_by(divided, 4), divided.grad_fn
+    w = torch.tensor(4.0, requires_grad=True)
+    for other in (loss / 3, loss / w, (loss / 4) + 1, loss, loss / 4 * 2):
+        assert not fix._last_divides_by(other, 4), other.grad_fn

@@ -270,6 +270,24 @@ def token_loss_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, int]:
     return next_token_ce(logits, batch["labels"], "sum"), int((batch["labels"][:, 1:] != IGNORE).sum())
 
 
+def smoothed_loss_sum(model: nn.Module, batch: dict, epsilon: float) -> tuple[torch.Tensor, int]:
+    """(sum of the label-smoothed token losses, number of counted tokens) of one micro-batch, as transformers'
+    LabelSmoother computes them: ``(1 - epsilon) * nll + epsilon * mean over the vocabulary of -log p`` per counted
+    token, the labels shifted only for a class transformers maps as a causal LM (a subclass of one is not: the Trainer
+    reads the class name)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    logits, labels = (out["logits"] if isinstance(out, dict) else out.logits), batch["labels"]
+    if type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    neg_log_p = -F.log_softmax(logits.float(), dim=-1)
+    counted = labels != IGNORE
+    nll = neg_log_p.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    per_token = (1 - epsilon) * nll + epsilon * neg_log_p.mean(-1)
+    return per_token[counted].sum(), int(counted.sum())
+
+
 class IndexedDataset(torch.utils.data.Dataset):
     """Items carry their index so the training script can record exactly what each rank consumed."""
 

@@ -7,7 +7,8 @@ loss kwargs); ``rank-token-mean`` = the mean over ranks of each rank's token mea
 window (what ``average_tokens_across_devices=False`` asks for); ``batch-mean`` = mean of the micro-batch means (models without them);
 ``moe`` = the token mean plus the router auxiliary loss averaged over the window's micro-batches (of every rank),
 times the model's coefficient (``moe:<c>:<a>``: the token mean times c plus the auxiliary term times a, how a
-mis-scaled run weights them). Computed in
+mis-scaled run weights them); ``smoothed-token-mean:<e>`` / ``smoothed-batch-mean:<e>``: the same two means of the
+label-smoothed loss (transformers' LabelSmoother, factor e). Computed in
 float64, so the comparison measures the distributed run's error, not the reference's.
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ def reference_state(kind: str, init_state: dict, windows, *, loss_mode: str, opt
     mostly from the same weights): the key is the weights' bytes, the windows and every other argument, and an
     optimizer factory that is not a value (a lambda) is never cached.
     """
-    if loss_mode not in LOSS_MODES and not loss_mode.startswith("moe"):
+    if loss_mode not in LOSS_MODES and not loss_mode.startswith(("moe", "smoothed-")):
         raise ValueError(f"loss_mode must be one of {LOSS_MODES}")
     key = None
     if isinstance(optimizer_factory, SGD):
@@ -86,7 +87,12 @@ def _objective(model, window, loss_mode: str, *, last_of_each: int = 0, ranks: i
     if loss_mode.startswith("moe"):
         return _moe_objective(model, window, loss_mode, seed)
     task = models.task_of(kind)
-    sums, counts = zip(*(models.loss_sum(kind, model, models.collate(mb, seed, task)) for mb in window))
+    if loss_mode.startswith("smoothed-"):  # smoothed-token-mean:<e>, smoothed-batch-mean:<e>
+        loss_mode, epsilon = loss_mode.removeprefix("smoothed-").split(":")
+        sums, counts = zip(*(models.smoothed_loss_sum(model, models.collate(mb, seed, task), float(epsilon))
+                             for mb in window))
+    else:
+        sums, counts = zip(*(models.loss_sum(kind, model, models.collate(mb, seed, task)) for mb in window))
     kept = range(len(window))
     if last_of_each:
         per_rank = len(window) // last_of_each

@@ -125,6 +125,7 @@ def parse_args(argv=None):
     p.add_argument("--fsdp-config", default=None, help="JSON file: a user's fsdp_config for TrainingArguments "
                    "(zerofix check --fsdp-config); needs --fsdp")
     p.add_argument("--max-grad-norm", type=float, default=0.0)
+    p.add_argument("--label-smoothing", type=float, default=0.0, help="TrainingArguments' label_smoothing_factor")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--fp16", action="store_true")
     p.add_argument("--cuda", action="store_true", help="train on the GPU (NCCL between ranks): the GPU tier")
@@ -150,6 +151,7 @@ def cell_args(args, cell: dict):
     cell_args.lr = cell.get("lr", args.lr)
     cell_args.bs = cell.get("bs", args.bs)
     cell_args.max_grad_norm = cell.get("clip", args.max_grad_norm)
+    cell_args.label_smoothing = cell.get("label_smoothing", args.label_smoothing)
     cell_args.bf16 = cell.get("bf16", args.bf16)
     cell_args.fp16 = cell.get("fp16", args.fp16)
     return cell_args
@@ -367,6 +369,7 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         gradient_accumulation_steps=args.gas, max_steps=args.steps if not args.samples else -1,
         num_train_epochs=args.epochs, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=args.max_grad_norm, bf16=args.bf16, fp16=args.fp16, optim="sgd",
+        label_smoothing_factor=args.label_smoothing,
         report_to="none",
         save_strategy="no",
         logging_strategy="no", use_cpu=not args.cuda, seed=args.seed, dataloader_num_workers=0,
