@@ -649,6 +649,55 @@ def test_own_configuration_with_a_vision_language_model_on_latest(tmp_path):
     assert row["unpatched"]["rel_err"] > 0.05 and row["patched"]["rel_err"] < 1e-5, row
 
 
+# Issue 51, item 6: the flag-False families as transformers ships their configs (no mrope_section, per-layer
+# overrides by layer index, per-layer embeddings of the whole vocabulary)
+SHIPPED = {"Qwen2_5_VLConfig": "Qwen2_5_VLForConditionalGeneration", "Qwen3VLConfig": "Qwen3VLForConditionalGeneration",
+           "Qwen3_5Config": "Qwen3_5ForConditionalGeneration", "Glm4vConfig": "Glm4vForConditionalGeneration",
+           "Gemma4Config": "Gemma4ForConditionalGeneration"}
+
+
+@pytest.mark.stack("latest")  # transformers 5.3's Qwen2.5-VL / GLM-4V need an mrope_section their shipped configs lack
+@pytest.mark.parametrize("config_class", list(SHIPPED))
+def test_a_shipped_vision_language_config_shrinks_to_a_model_that_trains(tmp_path, config_class):
+    """Every size shrunk consistently: the multimodal rotary sections with the head (written in where the class
+    defaults them for a full-size head), per-layer overrides moved to the shrunk layer of their kind, special tokens in
+    the tiny vocabulary; the tiny model computes a finite loss and a gradient."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, config_class):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_class}")
+    import torch
+
+    from zerofix.check import models, usermodel
+
+    config = getattr(transformers, config_class)()
+    config.architectures = [SHIPPED[config_class]]
+    config.save_pretrained(tmp_path / "model")
+    kind, described = usermodel.prepare(tmp_path / "model", tmp_path / "work")
+    assert described["class"] == SHIPPED[config_class] and described["parameters"] < 2_000_000, described
+    model = models.build_model(kind, seed=0)
+    loss_sum, count = models.loss_sum(kind, model, models.collate([0, 1]))
+    loss_sum.backward()
+    assert count > 0 and torch.isfinite(loss_sum)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.distributed
+@pytest.mark.stack("latest")
+def test_own_configuration_with_a_shipped_qwen2_5_vl_config(tmp_path):
+    """Issue 51, item 6: ``Qwen2_5_VLConfig()`` as shipped (its mrope_section left to the model's default) through the
+    doctor: the mean-of-means row, unpatched and patched (both Trainer rows failed before: split_with_sizes)."""
+    import transformers
+
+    config = transformers.Qwen2_5_VLConfig()
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    config.save_pretrained(tmp_path / "model")
+    document = check_json(tmp_path, "--deepspeed", write(tmp_path, "ds.json", {**ZERO2, "gradient_clipping": 0}),
+                          "--model", str(tmp_path / "model"), "--only", "trainer-causal-lm")
+    assert verdicts(document) == {"trainer-causal-lm": "fixed by transformers-trainer-scaling"}
+    row = document["scenarios"][0]
+    assert row["unpatched"]["rel_err"] > 0.05 and row["patched"]["rel_err"] < 1e-5, row
+
+
 def test_the_trainer_log_of_a_run_says_only_what_that_run_decided():
     """Issue 51, item 5: two Trainers of one class in a process (a notebook), the first with an unknown verdict: the
     second run's log says nothing of the first's. A head handed the count whose loss is independent of it (a

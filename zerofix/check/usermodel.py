@@ -29,6 +29,9 @@ SHRINK = {
     ("moe_intermediate_size", "shared_expert_intermediate_size"): HIDDEN,
     ("num_experts", "num_local_experts", "n_routed_experts"): 4,
     ("num_experts_per_tok",): 2,
+    # Gemma 3n / Gemma 4's per-layer inputs: an embedding of the whole vocabulary per layer
+    ("vocab_size_per_layer_input",): VOCAB,
+    ("hidden_size_per_layer_input",): HIDDEN // 4,
 }
 SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 DROPPED = ("quantization_config", "torch_dtype", "dtype", "_name_or_path", "auto_map", "transformers_version",
@@ -60,10 +63,12 @@ def shrink(path) -> dict:
         if isinstance(shrunk.get(tower), dict):
             shrunk[tower] = _shrunk_tower(shrunk[tower])
     if isinstance(shrunk.get("text_config"), dict):
-        shrunk["text_config"] = _shrunk_sizes(dict(shrunk["text_config"]))
+        shrunk["text_config"] = _fit_default_mrope(_shrunk_sizes(dict(shrunk["text_config"])))
         for name, value in list(shrunk["text_config"].items()):
             if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
                 shrunk["text_config"][name] = 0.0
+            if name in SPECIAL_TOKENS:
+                shrunk["text_config"][name] = SPECIAL_TOKENS[name]
     for name, value in SPECIAL_TOKENS.items():
         if name in shrunk:
             shrunk[name] = value
@@ -91,17 +96,72 @@ def _shrunk_sizes(config: dict) -> dict:
     layers = config.get("num_hidden_layers", config.get("n_layer", 2))
     if isinstance(config.get("layer_types"), list) and config["layer_types"]:
         # per-layer attention kinds (Qwen2, Gemma, Qwen3.5's linear and full attention): one layer of each kind
-        kinds = list(dict.fromkeys(config["layer_types"]))
+        source_kinds = list(config["layer_types"])
+        kinds = list(dict.fromkeys(source_kinds))
         config["layer_types"] = (kinds + [kinds[-1]] * layers)[:max(layers, len(kinds))]
         if "num_hidden_layers" in config:
             config["num_hidden_layers"] = len(config["layer_types"])
+        if isinstance(config.get("per_layer_config"), dict):  # Gemma 4: by layer index; the first layer of its kind
+            config["per_layer_config"] = _per_layer_config(config["per_layer_config"], source_kinds,
+                                                           config["layer_types"])
     for key in ("rope_scaling", "rope_parameters"):
         rope = config.get(key)
-        if isinstance(rope, dict) and "mrope_section" in rope:  # the sections fill head_dim / 2 of the tiny head
-            half = HIDDEN // 4 // 2
-            parts = len(rope["mrope_section"]) or 3
-            rope["mrope_section"] = [half // parts + (1 if i < half % parts else 0) for i in range(parts)]
+        if isinstance(rope, dict) and "mrope_section" in rope:
+            rope["mrope_section"] = _mrope_sections(config, rope, len(rope["mrope_section"]) or 3)
     return config
+
+
+def _per_layer_config(per_layer: dict, source_kinds: list, kinds: list) -> dict:
+    """Per-layer overrides (``{"05": {"head_dim": 512}}``) moved to the shrunk layer of the same kind, their sizes
+    shrunk as the model's are."""
+    out = {}
+    for index, override in per_layer.items():
+        try:
+            kind = source_kinds[int(index)]
+        except (ValueError, IndexError):
+            continue
+        if kind in kinds and isinstance(override, dict):
+            out[str(kinds.index(kind))] = _shrunk_sizes(dict(override))
+    return out
+
+
+def _rope_dim(config: dict, rope: dict) -> int:
+    """The rotary dimension of a head: head_dim times the partial rotary factor (where the config says one)."""
+    head = config.get("head_dim") or config.get("hidden_size", HIDDEN) // config.get("num_attention_heads", 4)
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) or 1.0
+    return int(head * partial)
+
+
+def _mrope_sections(config: dict, rope: dict, parts: int) -> list[int]:
+    """Multimodal RoPE sections that fill half the tiny head's rotary dimension, as the source's fill its own."""
+    half = max(_rope_dim(config, rope) // 2, parts)
+    return [half // parts + (1 if i < half % parts else 0) for i in range(parts)]
+
+
+def _fit_default_mrope(text: dict) -> dict:
+    """A text config whose class reads ``mrope_section`` from its rope parameters with a default sized for the
+    full-size head (Qwen2.5-VL's [16, 24, 24], GLM-4V's [8, 12, 12]) and a config that leaves it out (a config as
+    transformers ships it): the sections written in, fitted to the tiny head. Which classes read it is their own
+    declaration (``ignore_keys_at_rope_validation``), not a list of names."""
+    try:
+        from transformers import CONFIG_MAPPING
+
+        cls = CONFIG_MAPPING[text.get("model_type")]
+    except (ImportError, KeyError):
+        return text
+    if "mrope_section" not in getattr(cls, "ignore_keys_at_rope_validation", ()):
+        return text
+    key = "rope_parameters" if "rope_parameters" in text or "rope_scaling" not in text else "rope_scaling"
+    rope = dict(text.get(key) or {"rope_type": "default"})
+    if "rope_theta" in text and "rope_theta" not in rope:
+        rope["rope_theta"] = text["rope_theta"]
+    if "mrope_section" not in rope and isinstance(rope.get("rope_type", "default"), str):
+        # keep the head's rotary half at least one element per section
+        while _rope_dim(text, rope) // 2 < 3 and "head_dim" in text:
+            text["head_dim"] *= 2
+        rope["mrope_section"] = _mrope_sections(text, rope, 3)
+        text[key] = rope
+    return text
 
 
 def _shrunk_tower(config: dict) -> dict:
