@@ -50,6 +50,24 @@ def register(status) -> None:
     importhooks.when_imported(_TRAINER_MODULE, _add)
 
 
+def ensure_on(trainer) -> None:
+    """Give ``trainer`` a ZerofixCallback if it has none, at its first step: a framework that replaces
+    ``transformers.trainer.DEFAULT_CALLBACKS`` at start-up (ms-swift) drops the one ``register`` added, and its runs
+    would otherwise say nothing of zerofix. The start-of-training lines are said then, once (the callback only
+    reads)."""
+    handler = getattr(trainer, "callback_handler", None)
+    if not _registered or handler is None:
+        return
+    if any(isinstance(cb, callback_class()) for cb in getattr(handler, "callbacks", ())):
+        return
+    added = callback()
+    handler.add_callback(added)
+    try:
+        added.on_train_begin(trainer.args, trainer.state, trainer.control, model=getattr(trainer, "model", None))
+    except Exception:  # noqa: BLE001 - a report must never stop a run
+        pass
+
+
 def unregister() -> None:
     """Trainers built from now on get no callback (DEFAULT_CALLBACKS as transformers defined it)."""
     global _registered

@@ -82,7 +82,7 @@ import torch
 
 from accelerate.utils import DistributedType  # imported by the fixes only, once accelerate is
 
-from zerofix import activation, num_items_watch, paths, scaling, versions
+from zerofix import activation, num_items_watch, paths, scaling, trainer_report, versions
 from zerofix.fixes.contract import Check, drifted, found
 
 FIX_ID = "transformers-trainer-scaling"
@@ -210,6 +210,7 @@ def _new_run(trainer, state: Known, model) -> None:
     state.serial, state.env_statement = _runs, activation.loss_statement_from_environment()
     state.path = paths.trainer_path(trainer)
     state.compiled = _compiled(trainer, model)
+    trainer_report.ensure_on(trainer)  # a framework that replaced DEFAULT_CALLBACKS (ms-swift) still hears of zerofix
     if not state.path.covered and paths.stood_aside(FIX_ID, state.path):  # the Trainer's log line: trainer_report
         _log.info("zerofix: %s stands aside on this run, %s: the Trainer's own scaling runs unchanged "
                   "(zerofix models one process, DDP, DeepSpeed ZeRO-0..3, FSDP1 and FSDP2)", FIX_ID, state.path)
