@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 venv = .venvs/$(1)/.installed
 comma := ,
 # matplotlib (zerofix check --plot) and accelerate's own tests' needs only on the stacks that run them
-extras = deepspeed,hf,dev$(if $(filter latest 2026-04,$(1)),$(comma)plot$(comma)upstream)$(if $(filter latest,$(1)),$(comma)peft)$(if $(filter latest 2026-04 trl160 trl1100 trl1142,$(1)),$(comma)grpo)
+extras = deepspeed,hf,dev$(if $(filter latest 2026-04,$(1)),$(comma)plot$(comma)upstream)$(if $(filter latest,$(1)),$(comma)peft)$(if $(filter latest 2026-04 trl160 trl1100 trl1142,$(1)),$(comma)grpo)$(if $(filter swift,$(1)),$(comma)swift)
 
 # The fast tier: unit, contract and structure tests plus one small distributed smoke per mechanism (tests
 # marked smoke); the full tier adds every distributed matrix (marked distributed) and the slow rest (slow).

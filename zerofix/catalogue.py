@@ -123,7 +123,9 @@ FIXES: tuple[Fix, ...] = (
         "bug fix)",
         dist="transformers",
         affected=">=4.46",
-        targets=(Target("transformers.trainer", "Trainer.compute_loss", CHUNKED + ":compute_loss"),),
+        targets=(Target("transformers.trainer", "Trainer.compute_loss", CHUNKED + ":compute_loss"),
+                 # to say when a trainer's loss never reaches Trainer.compute_loss (TRL's DPO and reward trainers)
+                 Target("transformers.trainer", "Trainer.training_step", CHUNKED + ":training_step")),
         implementation=CHUNKED,
         where="Trainer training a causal LM or vision-language model: the batch x sequence x vocabulary logits (19 "
         "GiB in float32 at 32k tokens and a 152k vocabulary) are built for the loss; with this switch the loss is "

@@ -165,6 +165,13 @@ def verdict_lines(records, seen: set, run=None) -> list[str]:
                                    "own scaling runs unchanged",
                 "scaled_for_ga": lambda v: f"zerofix: {record.id} on {name}: the loss {v}",
             }
+            summary = (record.id, name, "summary", trainer.get("run"))
+            if summary not in seen and trainer.get("backwards"):
+                seen.add(summary)  # once per run, after its first step: the trainer and what zerofix did to its steps
+                changed = trainer.get("corrected", 0)
+                lines.append(f"zerofix: {record.id} on {name}: the loss is {trainer.get('loss', 'not measured')}; "
+                             + (f"zerofix changed {changed} of its first {trainer['backwards']} backwards" if changed
+                                else f"its first {trainer['backwards']} backwards ran as the Trainer runs them"))
             for key, line in said.items():
                 value = trainer.get(key)
                 if key == "count_handed" and trainer.get("count_handed_verdict") == "independent":

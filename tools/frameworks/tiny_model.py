@@ -3,7 +3,7 @@ that a framework's command line loads as a local model (nothing downloaded), and
 
     python tools/frameworks/tiny_model.py OUT_DIR
 
-writes OUT_DIR/model (config, weights, tokenizer) and OUT_DIR/sft.jsonl, OUT_DIR/dpo.jsonl: 8 samples whose
+writes OUT_DIR/model (config, weights, tokenizer) and OUT_DIR/sft.jsonl, dpo.jsonl, kto.jsonl: 8 samples whose
 responses are 2 to 71 bytes long, so micro-batches carry uneven token counts (the case where a mean of micro-batch
 means differs from the token mean).
 """
@@ -60,6 +60,11 @@ def build(out: Path) -> Path:
         for p, c, r in zip(PROMPTS, CHOSEN, REJECTED):
             f.write(json.dumps({"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": c}],
                                 "rejected_response": r}) + "\n")
+    with open(out / "kto.jsonl", "w") as f:
+        for i, (p, c, r) in enumerate(zip(PROMPTS, CHOSEN, REJECTED)):
+            answer, good = (c, True) if i % 2 == 0 else (r, False)
+            f.write(json.dumps({"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": answer}],
+                                "label": good}) + "\n")
     return model_dir
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import inspect
 import logging
 import weakref
+from collections.abc import Mapping
 
 import torch
 
@@ -37,7 +38,6 @@ from zerofix.fixes.contract import Check, drifted, found
 FIX_ID = "transformers-trainer-chunked-loss"
 FIX_IDS = (FIX_ID,)
 _log = logging.getLogger("zerofix")
-_PROBE_POSITIONS = 4
 _LOSS_KWARGS = ("num_items_in_batch", "labels", "shift_labels", "logits_to_keep", "return_dict")
 _routes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # transformers model -> _Route
 _details: dict = {}  # model class name -> {"routed": bool, "why": str, "steps": int}
@@ -120,22 +120,29 @@ def _loss(model, route: _Route, hidden, labels, num_items_in_batch):
                                  logit_scale=route.logit_scale)
 
 
-def _probe(model, batch: dict, autocast=None) -> _Route:
-    """Whether ``model``'s training loss is the chunked loss of its backbone's hidden states (module docstring)."""
+def _probe(model, batch, autocast=None) -> _Route:
+    """Whether ``model``'s training loss on this batch is the chunked loss of its backbone's hidden states, decided
+    from behaviour (issue 52): on the batch's first sample (the whole batch where an input is not batch-major, an
+    image's patches), eval mode, the random state restored, the model's own forward *with the labels* against the
+    route, each with a count that is not the batch's token count and without one. Their hidden states, their losses
+    and the gradients the losses give the hidden states must agree (1e-4 relative in float32, 1e-2 in low
+    precision); otherwise the model keeps its own loss, and ``why`` says what differed."""
     from zerofix import zero3
 
     backbone, head = _backbone(model), model.get_output_embeddings()
     if backbone is None or not isinstance(head, torch.nn.Linear):
         return _Route(False, "no backbone (base_model_prefix) and Linear head (get_output_embeddings) to route")
-    try:
-        takes = "logits_to_keep" in inspect.signature(model.forward).parameters or any(
-            p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
-    except (TypeError, ValueError):
-        takes = False
-    if not takes:
-        return _Route(False, "its forward takes no logits_to_keep, so its head cannot be compared")
+    if batch.get("shift_labels") is not None:
+        return _Route(False, "its batches carry shift_labels (the route shifts the labels itself)")
     scale, softcap = _head_transform(model)
     route = _Route(True, "", scale, softcap)
+    sample = _first_sample(batch)
+    labels = sample["labels"]
+    inputs = {k: v for k, v in sample.items() if k not in _LOSS_KWARGS}
+    # a count no shifted or unshifted token count of the sample equals: a loss that ignores it is seen
+    count = torch.tensor(int((labels != -100).sum()) + 7, device=labels.device)
+    low = head.weight.dtype in (torch.bfloat16, torch.float16) or autocast is not None
+    tolerance = 1e-2 if low else 1e-4
     seen = {}
 
     def probe_forward(*args, **kwargs):
@@ -146,43 +153,88 @@ def _probe(model, batch: dict, autocast=None) -> _Route:
         return probed(*args, **kwargs)
 
     def probed(*args, **kwargs):
-        own = original(*args, **kwargs, logits_to_keep=_PROBE_POSITIONS, use_cache=False)
-        hidden = _hidden_states(model, args, kwargs)[..., -_PROBE_POSITIONS:, :]
-        with zero3.gathered(head.weight, head.bias):
-            bias = None if head.bias is None else _whole(head.bias)
-            seen["logits"] = torch.nn.functional.linear(hidden.to(head.weight.dtype), _whole(head.weight),
-                                                        bias).float()
-        seen["own"] = own
+        own = None
+        for with_count in (True, False):
+            extra = {"num_items_in_batch": count} if with_count else {}
+            captured = []
+            hook = backbone.register_forward_hook(lambda m, a, out: _leaf_hidden(out, captured))
+            try:
+                with torch.enable_grad():
+                    own = original(*args, **kwargs, labels=labels, use_cache=False, **extra)
+            finally:
+                hook.remove()
+            if getattr(own, "aux_loss", None) is not None:
+                seen["why"] = "its loss adds a router auxiliary loss (an MoE model: output_router_logits)"
+                return own
+            with torch.enable_grad():
+                hidden = _hidden_states(model, args, kwargs).detach().requires_grad_(True)
+                with zero3.gathered(head.weight, head.bias):
+                    ours = _loss(model, route, hidden, labels, count if with_count else None)
+                why = _differs(own, ours, captured, hidden, tolerance, with_count)
+            if why:
+                seen["why"] = why
+                return own
         return own
 
-    inputs = {k: v for k, v in batch.items() if k not in _LOSS_KWARGS}
     original, kept = type(model).forward.__get__(model), vars(model).get("forward")
     was_training = model.training
     model.eval()
     model.forward = probe_forward
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]):
             model(**inputs)
-        own, logits = seen["own"], seen["logits"] * scale
-        if getattr(own, "aux_loss", None) is not None:
-            return _Route(False, "its loss adds a router auxiliary loss (an MoE model: output_router_logits)")
-        if softcap is not None:
-            logits = softcap * torch.tanh(logits / softcap)
-        theirs = own.logits[..., -_PROBE_POSITIONS:, :].float()
-        tolerance = 1e-2 if head.weight.dtype in (torch.bfloat16, torch.float16) else 1e-3
-        if theirs.shape != logits.shape or not torch.allclose(logits, theirs, rtol=tolerance,
-                                                              atol=tolerance * float(theirs.abs().max())):
-            return _Route(False, "its logits are not its head applied to its backbone's last hidden state (a "
-                          "transform between the two that zerofix does not know)")
-        why = _loss_function_differs(model, route)
-        if why:
-            return _Route(False, why)
-    except Exception as exc:  # noqa: BLE001 - a family this probe cannot drive keeps its own loss
-        return _Route(False, f"the probe failed ({type(exc).__name__}: {str(exc)[:160]})")
+    except Exception as exc:  # noqa: BLE001 - a family this proof cannot drive keeps its own loss
+        return _Route(False, f"the route cannot reproduce its loss on this batch ({type(exc).__name__}: "
+                      f"{str(exc)[:160]})")
     finally:
         _restore_forward(model, kept)
         model.train(was_training)
-    return route
+    return _Route(False, seen["why"]) if "why" in seen else route
+
+
+def _first_sample(batch) -> dict:
+    """The batch's first sample where every tensor input is batch-major (the proof's memory: one sample's logits),
+    else the whole batch (an image's patches are not)."""
+    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    rows = {v.shape[0] for v in tensors.values() if v.dim() > 0}
+    if len(rows) != 1 or next(iter(rows)) <= 1 or any(v.dim() == 0 for v in tensors.values()):
+        return dict(batch)
+    return {k: (v[:1] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def _leaf_hidden(output, captured: list):
+    """The backbone's last hidden state in the model's own forward, as a leaf whose gradient the proof reads."""
+    hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+    leaf = hidden.detach().requires_grad_(True)
+    captured.append(leaf)
+    if hasattr(output, "last_hidden_state"):
+        output.last_hidden_state = leaf
+        return output
+    return (leaf, *output[1:])
+
+
+def _close(a, b, tolerance: float) -> bool:
+    a, b = a.detach().float(), b.detach().float()
+    return a.shape == b.shape and torch.allclose(a, b, rtol=tolerance, atol=tolerance * max(float(b.abs().max()), 1e-12))
+
+
+def _differs(own, ours, captured, hidden, tolerance: float, with_count: bool) -> str:
+    """What differs between the model's own loss and the route's on the proof's sample ("" when nothing does)."""
+    counted = "with a count" if with_count else "without a count"
+    mine = own.loss if hasattr(own, "loss") else own[0]
+    if mine is None:
+        return "its forward returns no loss for these labels"
+    if len(captured) != 1 or not _close(captured[0], hidden, tolerance):
+        return ("its forward with labels runs its backbone on other inputs than the route does (a decoder fed from "
+                "the labels, labels aligned otherwise)")
+    if not _close(mine.detach(), ours.detach(), tolerance):
+        return (f"its own loss on this batch {counted} is {float(mine):.6g}, the route's {float(ours):.6g} (labels "
+                "aligned otherwise, an extra term such as a z-loss, or a mean that ignores the count)")
+    theirs_grad, = torch.autograd.grad(mine, captured[0])
+    our_grad, = torch.autograd.grad(ours, hidden)
+    if not _close(our_grad, theirs_grad, tolerance):
+        return f"the gradient its own loss gives the hidden states {counted} differs from the route's"
+    return ""
 
 
 def _restore_forward(model, kept) -> None:
@@ -194,32 +246,6 @@ def _restore_forward(model, kept) -> None:
         model.forward = kept
 
 
-def _loss_function_differs(model, route: _Route) -> str:
-    """The model's ``loss_function`` against the chunked loss on a small random case, with and without a count."""
-    from zerofix.losses import chunked_cross_entropy
-
-    loss_function = getattr(model, "loss_function", None)
-    if not callable(loss_function):
-        return "it has no loss_function to compare with"
-    g = torch.Generator().manual_seed(0)
-    hidden, weight = torch.randn(2, 6, 8, generator=g, dtype=torch.float64), torch.randn(11, 8, generator=g,
-                                                                                         dtype=torch.float64)
-    labels = torch.randint(0, 11, (2, 6), generator=g)
-    labels[0, :3] = -100
-    logits = hidden @ weight.t() * route.logit_scale
-    if route.softcap is not None:
-        logits = route.softcap * torch.tanh(logits / route.softcap)
-    for count in (None, torch.tensor(7)):
-        kwargs = {} if count is None else {"num_items_in_batch": count}
-        theirs = loss_function(logits=logits, labels=labels, vocab_size=11, **kwargs)
-        ours = chunked_cross_entropy(hidden[:, :-1], weight, labels[:, 1:], num_items_in_batch=count,
-                                     logit_softcap=route.softcap, logit_scale=route.logit_scale)
-        if not torch.allclose(theirs.double(), ours.double(), rtol=1e-6):  # transformers' loss upcasts to float32
-            return f"its loss_function ({getattr(loss_function, '__name__', type(loss_function).__name__)}) is not a " \
-                   "shifted token cross-entropy divided by the count"
-    return ""
-
-
 def _class_name(model) -> str:
     """The model's class name, FSDP2's generated subclass (``FSDP<Name>``) seen through."""
     name = type(model).__name__
@@ -228,18 +254,58 @@ def _class_name(model) -> str:
     return name
 
 
+def _form(batch) -> frozenset:
+    """What a batch holds (its keys with a value): a new form (decoder_input_ids, shift_labels, images present or not)
+    is proven again."""
+    return frozenset(k for k, v in batch.items() if v is not None)
+
+
 def _route_of(model, batch, autocast=None) -> _Route:
-    route = _routes.get(model)
+    """This model's route for batches of this form, proven on the first such batch (``_probe``); said once each."""
+    routes = _routes.get(model)
+    if routes is None:
+        routes = _routes[model] = {}
+    form = _form(batch)
+    route = routes.get(form)
     if route is None:
-        route = _routes[model] = _probe(model, batch, autocast)
+        route = routes[form] = _probe(model, batch, autocast)
         name = _class_name(model)
-        _details[name] = {"model": name, "routed": route.ok, "why": route.why or "its loss is the chunked loss of its "
-                          "backbone's hidden states (compared on the first micro-batch)", "steps": 0}
+        entry = _details.setdefault(name, {"model": name, "routed": route.ok, "steps": 0, "forms": 0})
+        entry["forms"] = entry.get("forms", 0) + 1
+        entry["routed"] = route.ok if entry["forms"] == 1 else entry["routed"] and route.ok
+        entry["why"] = route.why or entry.get("why") or ("its loss is the chunked loss of its backbone's hidden "
+                                                         "states (proven on its first batch with labels)")
+        keys = ", ".join(sorted(form))
         if route.ok:
-            _log.info("zerofix: %s: %s's training loss is computed without the full logits", FIX_ID, name)
+            _log.info("zerofix: %s: %s's training loss on batches of (%s) is computed without the full logits (its own "
+                      "loss and gradient reproduced on the first such batch)", FIX_ID, name, keys)
         else:
-            _log.warning("zerofix: %s: %s keeps its own loss (full logits): %s", FIX_ID, name, route.why)
+            _log.warning("zerofix: %s: %s keeps its own loss (full logits) on batches of (%s): %s", FIX_ID, name, keys,
+                         route.why)
     return route
+
+
+def _stand_aside(trainer, reason: str) -> None:
+    """Once per trainer and reason: the switch is on but this trainer's loss does not go through it (issue 52)."""
+    said = _aside.setdefault(trainer, set()) if _weak(trainer) else set()
+    if reason in said:
+        return
+    said.add(reason)
+    name = type(trainer).__name__
+    _details[f"aside:{name}:{reason}"] = {"model": None, "trainer": name, "routed": False, "why": reason, "steps": 0}
+    _log.warning("zerofix: %s stands aside for %s: %s; its loss is computed as without the switch (full logits)",
+                 FIX_ID, name, reason)
+
+
+def _weak(obj) -> bool:
+    try:
+        weakref.ref(obj)
+        return True
+    except TypeError:
+        return False
+
+
+_aside: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> reasons said
 
 
 _paths: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> its zerofix.paths.Path
@@ -269,18 +335,50 @@ def _target(trainer, model):
     return trainer_scaling._unwrap_peft(inner)
 
 
+def _aside_reason(trainer, model, target, inputs, args, kwargs) -> str:
+    """Why this training call keeps the model's own loss although the switch is on ("": it may be routed)."""
+    if getattr(trainer, "label_smoother", None) is not None:
+        return "label smoothing (the Trainer's label smoother reads the full logits)"
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        return "a compute_loss_func (it reads the model's outputs)"
+    if hasattr(model, "_orig_mod") or hasattr(target, "_orig_mod"):
+        return "a compiled model (torch.compile)"
+    returning = kwargs.get("return_outputs", args[2] if len(args) > 2 else False)
+    if returning:
+        return "a compute_loss call that asks for the outputs (return_outputs=True: the caller reads the logits)"
+    config = getattr(target, "config", None)
+    if inputs.get("output_hidden_states") or getattr(config, "output_hidden_states", False):
+        return "output_hidden_states (the caller reads the model's hidden states)"
+    head = target.get_output_embeddings() if callable(getattr(target, "get_output_embeddings", None)) else None
+    if isinstance(head, torch.nn.Module) and _user_hooks(head):
+        return "hooks on the output head (the route never calls it, so they would not fire)"
+    return ""
+
+
+def _user_hooks(module) -> bool:
+    """Forward hooks on ``module`` that no engine set (DeepSpeed's ZeRO-3 and FSDP hook every module)."""
+    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+    return any(not getattr(h, "__module__", "").startswith(("deepspeed", "torch.distributed", "accelerate"))
+               for h in hooks)
+
+
 def compute_loss(wrapped, trainer, args, kwargs):
+    if trainer in _reached if _weak(trainer) else False:
+        _reached[trainer] = True
     model = args[0] if args else kwargs.get("model")
     inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
-    if (model is None or not isinstance(inputs, dict) or "labels" not in inputs or not model.training
-            or getattr(trainer, "compute_loss_func", None) is not None
-            or getattr(trainer, "label_smoother", None) is not None or hasattr(model, "_orig_mod")):
+    # any Mapping: transformers' collators return a BatchEncoding
+    if model is None or not isinstance(inputs, Mapping) or "labels" not in inputs or not model.training:
         return wrapped(*args, **kwargs)
     if not _covered(trainer):
         return wrapped(*args, **kwargs)
     target = _target(trainer, model)
     if not isinstance(target, torch.nn.Module) or getattr(vars(target).get("forward"), "_zerofix_chunked", False):
         return wrapped(*args, **kwargs)  # not a module, or a nested call
+    reason = _aside_reason(trainer, model, target, inputs, args[2:], kwargs)
+    if reason:
+        _stand_aside(trainer, reason)
+        return wrapped(*args, **kwargs)
     kept = vars(target).get("forward")  # accelerate's mixed-precision wrapper: its autocast is applied below
     autocast = getattr(trainer.accelerator, "autocast", None) if kept is not None else None
     route = _route_of(target, inputs, autocast)
@@ -293,6 +391,9 @@ def compute_loss(wrapped, trainer, args, kwargs):
             extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
             return original(*f_args, labels=labels, **f_kwargs, **extra)
         hidden = _hidden_states(target, f_args, f_kwargs)
+        if hidden.shape[:-1] != labels.shape:  # never seen in a proven form; the model's own loss, never a crash
+            extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
+            return original(*f_args, labels=labels, **f_kwargs, **extra)
         loss = _loss(target, route, hidden, labels, num_items_in_batch)
         _details[_class_name(target)]["steps"] += 1
         from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -311,6 +412,26 @@ def compute_loss(wrapped, trainer, args, kwargs):
         return wrapped(*args, **kwargs)
     finally:
         _restore_forward(target, kept)
+
+
+_reached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> compute_loss reached in its step
+
+
+def training_step(wrapped, trainer, args, kwargs):
+    """A training step whose loss never reached ``Trainer.compute_loss`` (a subclass's own ``compute_loss``: TRL's
+    DPO and reward trainers) is computed as without the switch: said once per trainer (issue 52)."""
+    if not _weak(trainer) or trainer in _reached:
+        return wrapped(*args, **kwargs)
+    inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+    _reached[trainer] = False
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        if _reached.get(trainer) is False:
+            del _reached[trainer]  # asked again at the next step, until one reaches it
+            if isinstance(inputs, Mapping) and _covered(trainer):
+                _stand_aside(trainer, f"its compute_loss ({type(trainer).__qualname__}.compute_loss) never calls "
+                             "Trainer.compute_loss, where the switch routes the loss")
 
 
 def runtime_details() -> list[dict]:

@@ -709,20 +709,22 @@ def _reading(accelerator, step: TrainerStep, verdict, loss) -> str | None:
         return None
     if verdict.state == num_items_watch.DIVIDED and verdict.factor == gas:
         return CARRIES_STEPS
-    if verdict.state != num_items_watch.INDEPENDENT or not _last_divides_by(loss, gas):
+    window = int(state.window or gas)  # ms-swift's SFT trainer divides by the current window's length
+    if verdict.state != num_items_watch.INDEPENDENT or not _last_divides_by(loss, gas, window):
         return None
     return ALREADY_DIVIDED if scaling.trainer_division(release(), _facts(accelerator, step)) == 1 else None
 
 
-def _last_divides_by(loss, divisor: int) -> bool:
-    """Whether ``loss``'s last operation divides it by ``divisor`` or multiplies it by ``1 / divisor`` (a Python number
-    or a one-element tensor with no gradient: what ``loss / gas`` saves)."""
+def _last_divides_by(loss, *divisors: int) -> bool:
+    """Whether ``loss``'s last operation divides it by one of ``divisors`` or multiplies it by its inverse (a Python
+    number or a one-element tensor with no gradient: what ``loss / gas`` saves)."""
     node = getattr(loss, "grad_fn", None)
     kind = type(node).__name__
     if kind.startswith("DivBackward"):
-        wanted, constants = float(divisor), (getattr(node, "_saved_other", None),)
+        wanted, constants = [float(d) for d in divisors], (getattr(node, "_saved_other", None),)
     elif kind.startswith("MulBackward"):
-        wanted, constants = 1.0 / divisor, (getattr(node, "_saved_other", None), getattr(node, "_saved_self", None))
+        wanted = [1.0 / d for d in divisors]
+        constants = (getattr(node, "_saved_other", None), getattr(node, "_saved_self", None))
     else:
         return False
     for value in constants:
@@ -730,7 +732,7 @@ def _last_divides_by(loss, divisor: int) -> bool:
             if value.numel() != 1 or value.requires_grad:
                 continue
             value = value.item()
-        if isinstance(value, (int, float)) and abs(value - wanted) <= 1e-6 * wanted:
+        if isinstance(value, (int, float)) and any(abs(value - w) <= 1e-6 * w for w in wanted):
             return True
     return False
 

@@ -1,0 +1,50 @@
+"""Issue 53: zerofix where users launch it. ms-swift 4.6.0's own command lines (``swift sft``, ``swift rlhf
+--rlhf_type dpo``) on a tiny local Llama, one process, GA 4 x 2 against the big batch 1 x 8 on the same samples, one
+SGD step, fp32, unpatched and with ``ZEROFIX=1`` (zerofix reaches the run through its ``.pth``, as it reaches a user's).
+
+- Both are right upstream (SFT divides by the count; DPO divides its loss by the accumulation steps itself) and stay
+  right with ``ZEROFIX=1``: before issue 51, zerofix read DPO's loss as a micro-batch mean and trained at 0.25.
+- zerofix's Trainer-log line appears in ms-swift's console output (which replaces transformers' DEFAULT_CALLBACKS at
+  start-up, dropping zerofix's callback before), and names the framework's trainer class and what zerofix did.
+
+The other rows (ORPO, CPO, SimPO, KTO, reward modelling, DPO with an RPO term) are a tool:
+``tools/frameworks/swift_suite.py``; docs/frameworks.md holds their measured table.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = [pytest.mark.distributed, pytest.mark.stack("swift")]
+RIGHT = 1e-4
+
+
+def suite():
+    spec = importlib.util.spec_from_file_location("swift_suite", ROOT / "tools" / "frameworks" / "swift_suite.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("swift_suite", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ms_swift_sft_and_dpo_are_right_with_zerofix_and_say_so(tmp_path, capsys):
+    tool = suite()
+    assert tool.main([str(tmp_path), "sft", "dpo", "--jobs", "2"]) == 0
+    print(capsys.readouterr().out)
+    import json
+
+    results = {r["row"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
+    for row in ("sft", "dpo"):
+        plain, fixed = results[row]["plain"], results[row]["zerofix"]
+        assert "error" not in plain and "error" not in fixed, (row, plain, fixed)
+        assert plain["rel"] < RIGHT and plain["ratio"] == pytest.approx(1.0, abs=1e-4), (row, plain)  # upstream: right
+        assert fixed["rel"] < RIGHT and fixed["ratio"] == pytest.approx(1.0, abs=1e-4), (row, fixed)  # no harm
+        lines = results[row]["zerofix_lines"]
+        assert sum("fixes act on this run" in line or "fix acts on this run" in line for line in lines) == 1, lines
+    dpo_lines = "\n".join(results["dpo"]["zerofix_lines"])
+    assert "on DPOTrainer: the loss is independent of num_items_in_batch and its last operation divides it by " \
+           "gradient_accumulation_steps (4): read as already per accumulation window" in dpo_lines, dpo_lines
