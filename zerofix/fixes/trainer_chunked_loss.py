@@ -154,20 +154,22 @@ def _probe(model, batch, autocast=None) -> _Route:
 
     def probed(*args, **kwargs):
         own = None
-        for with_count in (True, False):
+        # without a count first, values only (no gradient); then with one, gradients too: the last thing the call
+        # does is a backward (FSDP2 reshards its root's parameters after one, so no forward may follow it)
+        for with_count in (False, True):
             extra = {"num_items_in_batch": count} if with_count else {}
             captured = []
             hook = backbone.register_forward_hook(lambda m, a, out: _leaf_hidden(out, captured))
             try:
-                with torch.enable_grad():
+                with torch.set_grad_enabled(with_count):
                     own = original(*args, **kwargs, labels=labels, use_cache=False, **extra)
             finally:
                 hook.remove()
             if getattr(own, "aux_loss", None) is not None:
                 seen["why"] = "its loss adds a router auxiliary loss (an MoE model: output_router_logits)"
                 return own
-            with torch.enable_grad():
-                hidden = _hidden_states(model, args, kwargs).detach().requires_grad_(True)
+            with torch.set_grad_enabled(with_count):
+                hidden = _hidden_states(model, args, kwargs).detach().requires_grad_(with_count)
                 with zero3.gathered(head.weight, head.bias):
                     ours = _loss(model, route, hidden, labels, count if with_count else None)
                 why = _differs(own, ours, captured, hidden, tolerance, with_count)
@@ -230,6 +232,8 @@ def _differs(own, ours, captured, hidden, tolerance: float, with_count: bool) ->
     if not _close(mine.detach(), ours.detach(), tolerance):
         return (f"its own loss on this batch {counted} is {float(mine):.6g}, the route's {float(ours):.6g} (labels "
                 "aligned otherwise, an extra term such as a z-loss, or a mean that ignores the count)")
+    if not with_count:  # values only (see _probe)
+        return ""
     theirs_grad, = torch.autograd.grad(mine, captured[0])
     our_grad, = torch.autograd.grad(ours, hidden)
     if not _close(our_grad, theirs_grad, tolerance):
