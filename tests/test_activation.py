@@ -65,6 +65,7 @@ def test_the_disable_warning_lists_no_form_it_rejects():
 @pytest.mark.parametrize("env, words", [
     ({"ZEROFIX_LOG": "bogus"}, ["ZEROFIX_LOG='bogus'", "debug, info, warning", "still apply"]),
     ({"ZEROFIX_STRICT": "maybe"}, ["ZEROFIX_STRICT='maybe'", "1 or 0", "still apply"]),
+    ({"ZEROFIX_LOSS_IS_SCALED_FOR_GA": "perhaps"}, ["ZEROFIX_LOSS_IS_SCALED_FOR_GA='perhaps'", "1:", "0:", "ignored"]),
 ])
 def test_a_typo_in_an_optional_setting_warns_and_keeps_fixing(env, words):
     settings = read_environment({"ZEROFIX": "1", **env})
@@ -364,3 +365,12 @@ def test_a_long_reason_wraps_under_its_column():
     assert len(lines) > 3 and all(line[:indent].strip() == "" for line in lines[2:-1]), lines
     assert " ".join(line[indent:].strip() for line in lines[1:-1]) == ("word " * 86).strip()
     assert lines[-1].startswith("x ") and lines[-1].endswith("  ok")
+
+
+def test_the_loss_statement_from_the_environment():
+    """Issue 51: zerofix.loss_is_scaled_for_ga's statement for a framework's command line."""
+    from zerofix.envvalues import loss_statement
+
+    assert [loss_statement({"ZEROFIX_LOSS_IS_SCALED_FOR_GA": v}) for v in ("1", "true", "0", "no", "", "x")] == \
+        [True, True, False, False, None, None]
+    assert loss_statement({}) is None

@@ -342,3 +342,20 @@ def test_what_a_loss_says_of_accumulation_is_read_from_its_last_operation():
     w = torch.tensor(4.0, requires_grad=True)
     for other in (loss / 3, loss / w, (loss / 4) + 1, loss, loss / 4 * 2):
         assert not fix._last_divides_by(other, 4), other.grad_fn
+
+
+def test_the_environment_states_what_the_loss_is(monkeypatch):
+    """ZEROFIX_LOSS_IS_SCALED_FOR_GA (issue 51): read at every train(); 1 follows the loss as per window (a mean that
+    is not is left unscaled: upstream's path), 0 scales it as a micro-batch mean; zerofix's own call wins."""
+    def engine_loss(t):
+        return run_step(t, torch.tensor(12), lambda n: torch.tensor(1.0))[1].item()  # a loss independent of the count
+
+    assert engine_loss(trainer()) == 0.25  # measured: a mean, divided by the window
+    monkeypatch.setenv("ZEROFIX_LOSS_IS_SCALED_FOR_GA", "1")
+    stated = trainer()
+    assert engine_loss(stated) == 1.0  # stated per window: the Trainer's own path
+    import zerofix
+
+    zerofix.loss_is_scaled_for_ga(stated, False)
+    stated.state = types.SimpleNamespace()  # a new train()
+    assert engine_loss(stated) == 0.25

@@ -23,10 +23,9 @@ import os
 import sys
 from typing import NamedTuple
 
-OFF = ("0", "false", "off", "no")
-ALL = ("1", "all", "true", "on", "yes")
+from zerofix.envvalues import ALL, OFF, STATEMENT
+
 LOG_LEVELS = ("debug", "info", "warning")
-STATEMENT = "ZEROFIX_LOSS_IS_SCALED_FOR_GA"
 VARIABLES = ("ZEROFIX", "ZEROFIX_DISABLE", "ZEROFIX_OPT_IN", "ZEROFIX_LOG", "ZEROFIX_STRICT", STATEMENT)
 
 
@@ -131,14 +130,6 @@ def _warn_once(message: str) -> None:
 def _warn_setting(message: str) -> None:
     if not said_already(message):  # once per process tree
         sys.stderr.write(f"zerofix: warning: {message}.\n")
-
-
-def loss_statement_from_environment(environ=None) -> bool | None:
-    """``ZEROFIX_LOSS_IS_SCALED_FOR_GA``: True (1/true/on/yes), False (0/false/off/no), or None (unset or malformed:
-    the malformed value is named once by the activation's warnings)."""
-    env = os.environ if environ is None else environ
-    value = env.get(STATEMENT, "").strip().lower()
-    return True if value in ALL else False if value in OFF else None
 
 
 def strict_from_environment(environ=None) -> bool:

@@ -82,7 +82,7 @@ import torch
 
 from accelerate.utils import DistributedType  # imported by the fixes only, once accelerate is
 
-from zerofix import activation, num_items_watch, paths, scaling, trainer_report, versions
+from zerofix import envvalues, num_items_watch, paths, scaling, trainer_report, versions
 from zerofix.fixes.contract import Check, drifted, found
 
 FIX_ID = "transformers-trainer-scaling"
@@ -207,7 +207,7 @@ def _new_run(trainer, state: Known, model) -> None:
     global _runs
     state.run, state.stated, state.plans, state.warned = run, None, {}, set()
     state.details, state.counted, _runs = None, False, _runs + 1
-    state.serial, state.env_statement = _runs, activation.loss_statement_from_environment()
+    state.serial, state.env_statement = _runs, envvalues.loss_statement()
     state.path = paths.trainer_path(trainer)
     state.compiled = _compiled(trainer, model)
     trainer_report.ensure_on(trainer)  # a framework that replaced DEFAULT_CALLBACKS (ms-swift) still hears of zerofix
