@@ -26,6 +26,14 @@ ENGINES = {"none": {}, "fsdp1": {"fsdp": 1}, "fsdp2": {"fsdp": 2}, "zero2": {"ze
 CELLS = [{"name": "cls", "model": "seq-cls-llama", "gas": 4, "lr": 2.0, "head": True},
          {"name": "lm", "model": "causal-lm", "gas": 4, "lr": 5.0},
          {"name": "moe", "model": "moe", "gas": 4, "lr": 2.0}]
+# Issue 51's rows on the GPU (--cells issue51): the identities of a division, a loss that says it is per window, the
+# hand fix, a never-handed head whose handed step runs again; each against its float64 reference
+ISSUE51_CELLS = ([{"name": r, "model": "causal-lm", "loss": r, "gas": 4, "lr": 5.0}
+                  for r in ("sum-from-zero", "where-positive", "plus-eps", "steps-divided-mean", "times-steps")]
+                 + [{"name": "nokw-logged-count", "model": "nokw-llama", "loss": "logged-count", "gas": 4, "lr": 5.0,
+                     "loss_modes": "batch-mean"},
+                    {"name": "own-mean", "model": "own-mean-llama", "gas": 4, "lr": 5.0}])
+CELL_SETS = {"default": CELLS, "issue51": ISSUE51_CELLS}
 # relative error of the update against float64; fp32 is no GPU case of its own: it is what a CPU run of this table
 # can train (transformers refuses bf16/fp16 without a GPU), so tests/test_gpu_tier_cpu.py asserts the device check
 TOLERANCE = {"bf16": 0.03, "fp16": 0.01, "fp32": 1e-4}
@@ -163,8 +171,11 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="engine x dtype runs at once")
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--dtypes", default="bf16,fp16")
+    p.add_argument("--cells", choices=tuple(CELL_SETS), default="default", help="which cells each run trains")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
+    global CELLS
+    CELLS = CELL_SETS[args.cells]
     engines, dtypes = args.engines.split(","), args.dtypes.split(",")
     if unknown := [e for e in engines if e not in ENGINES] + [d for d in dtypes if d not in TOLERANCE]:
         p.error(f"unknown {', '.join(unknown)}: engines are {', '.join(ENGINES)}; dtypes {', '.join(TOLERANCE)}")
