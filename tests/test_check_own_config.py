@@ -714,3 +714,22 @@ def test_the_trainer_log_of_a_run_says_only_what_that_run_decided():
         "zerofix: transformers-trainer-scaling on Trainer: the loss is ... read as per window"]
     assert trainer_report.verdict_lines(records, set(), run=3) == []
     assert len(trainer_report.verdict_lines(records, set(), run=1)) == 1
+
+
+def test_the_trainer_log_says_what_the_switch_decided_once_it_knows():
+    """Issue 52, item 4: the chunked-loss switch is not among the fixes that act at the start of training; after the
+    first step, one line per model (routed, or its own loss and why) and per stand-aside."""
+    from zerofix import trainer_report
+    from zerofix.patching import Record
+
+    switch = Record("transformers-trainer-chunked-loss", "applied", "transformers", "5.24.0", "", "", (
+        {"model": "LlamaForCausalLM", "routed": True, "why": "its loss is the chunked loss", "steps": 4},
+        {"model": "BartForConditionalGeneration", "routed": False, "why": "runs its backbone on other inputs"},
+        {"model": None, "trainer": "DPOTrainer", "routed": False, "why": "its compute_loss never calls ..."}))
+    scaling = Record("transformers-trainer-scaling", "applied", "transformers", "5.24.0", "", "")
+    start = trainer_report.summary_lines([scaling, switch], deepspeed=False)
+    assert "chunked" not in " ".join(start) and "1 fix acts" in start[0], start
+    seen = set()
+    lines = trainer_report.switch_lines([scaling, switch], seen)
+    assert len(lines) == 3 and trainer_report.switch_lines([scaling, switch], seen) == []
+    assert "routes LlamaForCausalLM" in lines[0] and "Bart" in lines[1] and "stands aside for DPOTrainer" in lines[2]

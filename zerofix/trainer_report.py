@@ -110,10 +110,12 @@ def summary_lines(records, *, deepspeed: bool = True, trl: bool = True, path=Non
     applied = [r for r in records if r.state == "applied"]
     if not applied:
         return ["zerofix is active; no fix applies to the installed releases, so it changes nothing in this run"]
-    acting = [r for r in applied if acts_in(r, deepspeed=deepspeed, trl=trl)]
+    switches = _switch_ids()
+    # a switch (the chunked loss) decides per model at the first step: said then (switch_lines), not here
+    acting = [r for r in applied if acts_in(r, deepspeed=deepspeed, trl=trl) and r.id not in switches]
     aside = [r for r in acting if r.dist == "transformers"] if path is not None and not path.covered else []
     acting = [r for r in acting if r not in aside]
-    rest = [r for r in applied if r not in acting and r not in aside]
+    rest = [r for r in applied if r not in acting and r not in aside and r.id not in switches]
     names = ", ".join(f"{r.id} ({r.dist} {r.installed})" for r in acting) or "none"
     where = "this run (through DeepSpeed)" if deepspeed else "this run (no DeepSpeed)"
     if path is not None and path.covered and path.name.startswith("FSDP"):
@@ -182,6 +184,36 @@ def verdict_lines(records, seen: set, run=None) -> list[str]:
     return lines
 
 
+def _switch_ids() -> set:
+    from zerofix import catalogue  # imports no ML library
+
+    return {f.id for f in catalogue.FIXES if f.switch}
+
+
+def switch_lines(records, seen: set) -> list[str]:
+    """What a switch decided (the chunked loss: per model and batch form, issue 52), once each, once it knows: routed,
+    or keeping the model's own loss and why, or standing aside for a trainer and why."""
+    switches, lines = _switch_ids(), []
+    for record in records:
+        if record.id not in switches:
+            continue
+        for entry in record.runtime or ():
+            key = (record.id, entry.get("model"), entry.get("trainer"), entry.get("why"), entry.get("routed"))
+            if key in seen:
+                continue
+            seen.add(key)
+            if entry.get("model") and entry.get("routed"):
+                lines.append(f"zerofix: {record.id} routes {entry['model']}'s training loss without the full logits "
+                             f"({entry.get('why')})")
+            elif entry.get("model"):
+                lines.append(f"zerofix: {record.id}: {entry['model']} keeps its own loss (full logits): "
+                             f"{entry.get('why')}")
+            else:
+                lines.append(f"zerofix: {record.id} stands aside"
+                             + (f" for {entry['trainer']}" if entry.get("trainer") else "") + f": {entry.get('why')}")
+    return lines
+
+
 def warning_lines(records, seen: set) -> list[str]:
     lines = []
     for record in records:
@@ -239,6 +271,7 @@ def _build_class():
             self._engines: set = set()
             self._warnings: set = set()
             self._verdicts: set = set()
+            self._switches: set = set()
 
         def on_train_begin(self, args, state, control, **kwargs):
             if state.is_world_process_zero and not self._started:
@@ -255,8 +288,9 @@ def _build_class():
             if state.is_world_process_zero and not self._stepped:
                 self._stepped = True
                 records = _records()
-                for line in engine_lines(records, self._engines) + verdict_lines(records, self._verdicts,
-                                                                                 _run_of(state)):
+                for line in (engine_lines(records, self._engines)
+                             + verdict_lines(records, self._verdicts, _run_of(state))
+                             + switch_lines(records, self._switches)):
                     logger.warning(line)
 
         def on_train_end(self, args, state, control, **kwargs):
@@ -264,7 +298,7 @@ def _build_class():
                 records = _records()
                 for line in (engine_lines(records, self._engines)
                              + verdict_lines(records, self._verdicts, _run_of(state))
-                             + warning_lines(records, self._warnings)):
+                             + switch_lines(records, self._switches) + warning_lines(records, self._warnings)):
                     logger.warning(line)
 
     ZerofixCallback.__module__ = __name__
