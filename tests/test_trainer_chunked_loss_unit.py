@@ -212,3 +212,17 @@ def test_what_asks_for_the_full_logits_stands_aside_and_is_said_once(aside, capl
         assert fired == [1, 1]  # once per call, as without the switch
     assert len([r for r in caplog.records if "stands aside" in r.getMessage()]) == 1, caplog.text
     assert all(not d["routed"] for d in fix.runtime_details()), fix.runtime_details()
+
+
+def test_the_proof_runs_on_a_window_of_a_long_sequence_with_counted_labels():
+    """The proof holds one window's logits, not a long sequence's (the memory the switch saves), and the window holds
+    counted labels (a prompt masked with -100 proves nothing)."""
+    ids = torch.randint(3, 60, (2, 1000))
+    labels = ids.clone()
+    labels[:, :900] = -100
+    labels[1, 950:] = -100  # the second row counts fewer tokens
+    window = fix._first_sample({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+    assert window["input_ids"].shape == (1, fix.PROOF_TOKENS) and torch.equal(window["input_ids"][0], ids[0, -256:])
+    assert int((window["labels"] != -100).sum()) == 100
+    nothing = {"input_ids": ids[:1, :10], "labels": torch.full((1, 10), -100)}
+    assert fix._probe(models.build_model("causal-lm"), nothing) is None

@@ -138,6 +138,8 @@ def _probe(model, batch, autocast=None) -> _Route:
     route = _Route(True, "", scale, softcap)
     sample = _first_sample(batch)
     labels = sample["labels"]
+    if not bool((labels != -100).any()):
+        return None  # nothing counted to prove it on: this call keeps the model's own loss, a later batch decides
     inputs = {k: v for k, v in sample.items() if k not in _LOSS_KWARGS}
     # a count no shifted or unshifted token count of the sample equals: a loss that ignores it is seen
     count = torch.tensor(int((labels != -100).sum()) + 7, device=labels.device)
@@ -194,14 +196,31 @@ def _probe(model, batch, autocast=None) -> _Route:
     return _Route(False, seen["why"]) if "why" in seen else route
 
 
+PROOF_TOKENS = 256  # the proof's window on a text-only batch: its logits, not the step's, are what it holds
+
+
 def _first_sample(batch) -> dict:
-    """The batch's first sample where every tensor input is batch-major (the proof's memory: one sample's logits),
-    else the whole batch (an image's patches are not)."""
+    """What the proof runs on, small enough that the switch's memory saving survives it: the sample with the most
+    counted labels where every tensor input is batch-major (else the whole batch: an image's patches are not), and of
+    a text-only sample (every input ``[1, T]``) the PROOF_TOKENS positions ending at its last counted label. Both
+    computations see the same inputs, so a window proves as well as the whole sequence (a long single sequence would
+    otherwise hold its full logits once, the peak the switch exists to avoid)."""
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    labels = batch["labels"]
     rows = {v.shape[0] for v in tensors.values() if v.dim() > 0}
-    if len(rows) != 1 or next(iter(rows)) <= 1 or any(v.dim() == 0 for v in tensors.values()):
+    if len(rows) != 1 or any(v.dim() == 0 for v in tensors.values()):
         return dict(batch)
-    return {k: (v[:1] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    row = int((labels != -100).reshape(labels.shape[0], -1).sum(-1).argmax()) if labels.dim() > 1 else 0
+    sample = {k: (v[row:row + 1] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    length = sample["labels"].shape[-1] if sample["labels"].dim() == 2 else None
+    text = length is not None and all(v.dim() == 2 and v.shape[-1] == length
+                                      for v in sample.values() if isinstance(v, torch.Tensor))
+    if not text or length <= PROOF_TOKENS:
+        return sample
+    counted = (sample["labels"][0] != -100).nonzero()
+    end = int(counted[-1]) + 1 if len(counted) else length
+    start = max(0, end - PROOF_TOKENS)
+    return {k: (v[:, start:end] if isinstance(v, torch.Tensor) else v) for k, v in sample.items()}
 
 
 def _leaf_hidden(output, captured: list):
@@ -272,7 +291,10 @@ def _route_of(model, batch, autocast=None) -> _Route:
     form = _form(batch)
     route = routes.get(form)
     if route is None:
-        route = routes[form] = _probe(model, batch, autocast)
+        route = _probe(model, batch, autocast)
+        if route is None:  # no counted label in this batch: its own loss, and the next batch of the form decides
+            return _Route(False, "no counted label to prove the route on yet")
+        routes[form] = route
         name = _class_name(model)
         entry = _details.setdefault(name, {"model": name, "routed": route.ok, "steps": 0, "forms": 0})
         entry["forms"] = entry.get("forms", 0) + 1
