@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from zerofix import num_items_watch as watch  # noqa: E402
+from zerofix.check.scenarios.trainer_gas import IDIOM_ROWS, idiom_loss  # noqa: E402
 from zerofix.num_items_watch import DIVIDED, INDEPENDENT, UNKNOWN  # noqa: E402
 
 pytestmark = pytest.mark.stack_independent  # the same on every stack: runs on latest (CI time)
@@ -167,42 +168,23 @@ def test_a_loss_computed_from_the_count_that_does_not_scale_as_one_over_it_is_un
     assert v.state == UNKNOWN and "does not scale as one over it" in v.route, v
 
 
-@pytest.mark.parametrize("how", ["sum-from-python-zero", "python-sum", "new-zeros-accumulator", "plus-eps",
-                                 "maximum-with-ones", "where-positive", "tensor-where-positive", "where-at-least-one",
-                                 "nan-to-num", "if-positive"])
+@pytest.mark.parametrize("how", list(IDIOM_ROWS) + ["tensor-where-positive", "where-at-least-one", "if-positive"])
 def test_the_identities_real_code_writes_are_divided(batch, how):
     """Issue 51, item 1: a term that adds nothing, a count bounded below by 1, a count plus a negligible constant, a
-    guard that picks the divided branch wherever the count is positive: each is the division it guards."""
+    guard that picks the divided branch wherever the count is positive: each is the division it guards (the scenario's
+    idioms, zerofix.check.scenarios.trainer_gas.idiom_loss, and three more guards)."""
     logits, labels = batch
-    chunks = torch.nn.functional.cross_entropy(logits, labels, reduction="none").split(2)
+    token_losses = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
 
     def loss_of(n):
-        s = sum(c.sum() for c in chunks)
-        if how == "sum-from-python-zero":
-            tot = 0
-            for c in chunks:
-                tot += c.sum() / n
-            return tot
-        if how == "python-sum":
-            return sum(c.sum() / n for c in chunks)
-        if how == "new-zeros-accumulator":
-            acc = n.new_zeros((), dtype=torch.float32)
-            for c in chunks:
-                acc += c.sum() / n
-            return acc
-        if how == "plus-eps":
-            return s / (n + 1e-8)
-        if how == "maximum-with-ones":
-            return s / torch.maximum(n, torch.ones_like(n))
-        if how == "where-positive":
-            return torch.where(n > 0, s / n, 0 * s)
+        s = token_losses.sum()
         if how == "tensor-where-positive":
             return (s / n).where(n != 0, s.new_zeros(()))
         if how == "where-at-least-one":
             return torch.where(n >= 1, s / n.clamp(min=1), s.new_zeros(()))
-        if how == "nan-to-num":
-            return torch.nan_to_num(s / n)
-        return s / n if n > 0 else s * 0
+        if how == "if-positive":
+            return s / n if n > 0 else s * 0
+        return idiom_loss(how, token_losses, n)
     v, loss = verdict(loss_of)
     assert v.state == DIVIDED and v.factor == 1, v
     plain = torch.nn.functional.cross_entropy(logits, labels, reduction="sum") / 37

@@ -221,8 +221,7 @@ def _new_run(trainer, state: Known, model) -> None:
         _log.info("zerofix: %s says accepts_loss_kwargs = False, so the Trainer neither counts nor passes "
                   "num_items_in_batch; zerofix has the Trainer count and pass it, and keeps it only for steps whose loss "
                   "is divided by it (a step whose loss is not runs again as the Trainer runs it)", state.handing)
-    elif state.path.covered and _smoothed_never_handed(trainer, model):
-        name = _smoothed_never_handed(trainer, model)
+    elif state.path.covered and (name := _smoothed_never_handed(trainer, model)):
         _note(_details_of(trainer), "label smoothing: mean of micro-batch means")
         _warn_main(trainer, "zerofix: %s says accepts_loss_kwargs = False and this run smooths its labels: the Trainer "
                    "never counts num_items_in_batch for it and this release's LabelSmoother takes no count "
