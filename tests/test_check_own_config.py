@@ -700,20 +700,31 @@ def test_own_configuration_with_a_shipped_qwen2_5_vl_config(tmp_path):
 
 def test_the_trainer_log_of_a_run_says_only_what_that_run_decided():
     """Issue 51, item 5: two Trainers of one class in a process (a notebook), the first with an unknown verdict: the
-    second run's log says nothing of the first's. A head handed the count whose loss is independent of it (a
-    classifier, a masked LM) is not said at all: nothing changed."""
+    second run's log says nothing of the first's (``own_run`` narrows the records to the run whose TrainerState the
+    callback is handed). A head handed the count whose loss is independent of it (a classifier, a masked LM) is not
+    said at all: nothing changed."""
+    import types
+
     from zerofix import trainer_report
+    from zerofix.fixes import trainer_scaling
     from zerofix.patching import Record
 
-    details = [{"trainer": "Trainer", "run": 1, "steps_unknown": 1, "route": "the count left the watch as a number"},
-               {"trainer": "Trainer", "run": 2, "steps_unknown": 0, "scaled_for_ga": "is ... read as per window"},
-               {"trainer": "Trainer", "run": 3, "steps_unknown": 0, "count_handed_verdict": "independent",
-                "count_handed": "ConvNextForImageClassification: stopped at optimizer step 1, ..."}]
-    records = [Record("transformers-trainer-scaling", "applied", "transformers", "5.24.0", "", "", tuple(details))]
-    assert trainer_report.verdict_lines(records, set(), run=2) == [
-        "zerofix: transformers-trainer-scaling on Trainer: the loss is ... read as per window"]
-    assert trainer_report.verdict_lines(records, set(), run=3) == []
-    assert len(trainer_report.verdict_lines(records, set(), run=1)) == 1
+    first, second, third = (types.SimpleNamespace() for _ in range(3))
+    accounts = {id(first): {"trainer": "Trainer", "steps_unknown": 1, "route": "the count left the watch as a number"},
+                id(second): {"trainer": "Trainer", "steps_unknown": 0, "scaled_for_ga": "is ... read as per window"},
+                id(third): {"trainer": "Trainer", "steps_unknown": 0, "count_handed_verdict": "independent",
+                            "count_handed": "ConvNextForImageClassification: stopped at optimizer step 1, ..."}}
+    records = [Record(trainer_scaling.FIX_ID, "applied", "transformers", "5.24.0", "", "", tuple(accounts.values()))]
+    found = trainer_scaling.run_details
+    trainer_scaling.run_details = lambda state: accounts.get(id(state))
+    try:
+        assert trainer_report.verdict_lines(trainer_report.own_run(records, second), set()) == [
+            "zerofix: transformers-trainer-scaling on Trainer: the loss is ... read as per window"]
+        assert trainer_report.verdict_lines(trainer_report.own_run(records, third), set()) == []
+        assert len(trainer_report.verdict_lines(trainer_report.own_run(records, first), set())) == 1
+        assert trainer_report.own_run(records, types.SimpleNamespace())[0].runtime == ()  # a run it saw nothing of
+    finally:
+        trainer_scaling.run_details = found
 
 
 def test_the_trainer_log_says_what_the_switch_decided_once_it_knows():

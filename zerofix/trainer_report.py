@@ -145,18 +145,17 @@ def engine_lines(records, seen: set) -> list[str]:
     return lines
 
 
-def verdict_lines(records, seen: set, run=None) -> list[str]:
-    """What transformers-trainer-scaling decided in one run (``run``: its serial number, the entry's "run"; None: every
-    run), once each (``seen`` is updated): the count handed to a head whose Trainer never hands it (issue 47; said only
-    where it changed something or could not be proven), steps it never sees ("not covered"), an unknown verdict and
-    why, a loss read as already scaled for accumulation (issue 51)."""
+def verdict_lines(records, seen: set) -> list[str]:
+    """What transformers-trainer-scaling decided, once each (``seen`` is updated): the count handed to a head whose
+    Trainer never hands it (issue 47; said only where it changed something or could not be proven), steps it never
+    sees ("not covered"), an unknown verdict and why, a loss read as already scaled for accumulation (issue 51), and
+    once per run after its first step what it did to its backwards. The callback hands it its own run's records only
+    (``own_run``)."""
     lines = []
     for record in records:
         for trainer in record.runtime or ():
             if "trainer" not in trainer or "steps_unknown" not in trainer:
                 continue
-            if run is not None and trainer.get("run") != run:
-                continue  # another run's account (a notebook's earlier Trainer)
             name = trainer["trainer"]
             said = {
                 "count_handed": lambda v: (f"zerofix: {record.id} on {name}: the count handed to {v}" if "stopped" in v
@@ -167,7 +166,7 @@ def verdict_lines(records, seen: set, run=None) -> list[str]:
                                    "own scaling runs unchanged",
                 "scaled_for_ga": lambda v: f"zerofix: {record.id} on {name}: the loss {v}",
             }
-            summary = (record.id, name, "summary", trainer.get("run"))
+            summary = (record.id, name, "summary")
             if summary not in seen and trainer.get("backwards"):
                 seen.add(summary)  # once per run, after its first step: the trainer and what zerofix did to its steps
                 changed = trainer.get("corrected", 0)
@@ -240,15 +239,17 @@ def _run_path(args, model):
     return paths.accelerate_path(types.SimpleNamespace(**AcceleratorState._shared_state), model=model, n_gpu=n_gpu)
 
 
-def _run_of(state):
-    """The serial number of the run whose TrainerState this is (transformers-trainer-scaling's account of it), or -1
-    where that entry saw no step of it (then no other run's account is shown either)."""
+def own_run(records, state) -> list:
+    """``records`` with transformers-trainer-scaling's runtime details narrowed to the run whose TrainerState
+    ``state`` is (issue 51, item 5: a notebook's second Trainer of a class does not repeat the first one's account)."""
     import sys
 
     module = sys.modules.get("zerofix.fixes.trainer_scaling")
-    found = getattr(module, "run_serial", None)
-    serial = found(state) if found is not None else None
-    return -1 if serial is None else serial
+    found = getattr(module, "run_details", None)
+    if found is None:
+        return records
+    mine = found(state)
+    return [r._replace(runtime=() if mine is None else (mine,)) if r.id == module.FIX_ID else r for r in records]
 
 
 def _records():
@@ -289,7 +290,7 @@ def _build_class():
                 self._stepped = True
                 records = _records()
                 for line in (engine_lines(records, self._engines)
-                             + verdict_lines(records, self._verdicts, _run_of(state))
+                             + verdict_lines(own_run(records, state), self._verdicts)
                              + switch_lines(records, self._switches)):
                     logger.warning(line)
 
@@ -297,7 +298,7 @@ def _build_class():
             if state.is_world_process_zero:
                 records = _records()
                 for line in (engine_lines(records, self._engines)
-                             + verdict_lines(records, self._verdicts, _run_of(state))
+                             + verdict_lines(own_run(records, state), self._verdicts)
                              + switch_lines(records, self._switches) + warning_lines(records, self._warnings)):
                     logger.warning(line)
 

@@ -90,7 +90,6 @@ FIX_IDS = (FIX_ID,)
 _STEP = "_zerofix_trainer_step"  # in accelerator.__dict__ while a Trainer step runs
 _log = logging.getLogger("zerofix")
 _details: list[dict] = []  # runtime_details(), one per run of a trainer, in order (plain dicts: no reference to it)
-_runs = 0  # train() runs seen in this process: each run's serial number
 # What a loss says of accumulation by itself (issue 51, item 3), read where the verdict cannot tell:
 ALREADY_DIVIDED = "already divided"  # independent of the count, its last operation divides by the accumulation steps
 CARRIES_STEPS = "carries the steps"  # divided by the count with a factor of exactly the accumulation steps
@@ -101,7 +100,7 @@ class Known:
     depends on the model, the loss function or the arguments is read again at every ``train()`` (``run``)."""
 
     __slots__ = ("run", "path", "compiled", "verdict", "window", "stated", "statement", "details", "plans", "warned",
-                 "handing", "counted", "serial", "env_statement")
+                 "handing", "counted", "env_statement")
 
     def __init__(self):
         self.run = None  # trainer.state of the run the facts below were read in (a new one at every train())
@@ -116,7 +115,6 @@ class Known:
         self.plans = {}  # facts -> scaling.Plan
         self.warned = set()  # warnings given in this run
         self.counted = False  # the current window was counted only because zerofix hands the count (count_never_handed)
-        self.serial = 0  # this run's number in the process (runtime_details()' "run"; the Trainer log reads its own)
         self.env_statement = None  # ZEROFIX_LOSS_IS_SCALED_FOR_GA, read at every train()
 
 
@@ -204,10 +202,8 @@ def _new_run(trainer, state: Known, model) -> None:
     run = getattr(trainer, "state", None)
     if state.run is run and run is not None:
         return
-    global _runs
     state.run, state.stated, state.plans, state.warned = run, None, {}, set()
-    state.details, state.counted, _runs = None, False, _runs + 1
-    state.serial, state.env_statement = _runs, envvalues.loss_statement()
+    state.details, state.counted, state.env_statement = None, False, envvalues.loss_statement()
     state.path = paths.trainer_path(trainer)
     state.compiled = _compiled(trainer, model)
     trainer_report.ensure_on(trainer)  # a framework that replaced DEFAULT_CALLBACKS (ms-swift) still hears of zerofix
@@ -566,10 +562,10 @@ def _check_handed(step: TrainerStep, verdict, details) -> None:
 
 
 def _details_of(trainer) -> dict:
-    """The trainer's runtime_details() entry, made at its first backward."""
+    """The run's runtime_details() entry (one per train() of a trainer), made when it first has something to say."""
     state = known(trainer)
     if state.details is None:
-        state.details = {"trainer": type(trainer).__name__, "run": state.serial, "loss": "not measured", "stated": False,
+        state.details = {"trainer": type(trainer).__name__, "loss": "not measured", "stated": False,
                          "backwards": 0, "corrected": 0, "steps_divided": 0, "steps_independent": 0,
                          "steps_unknown": 0}
         _details.append(state.details)
@@ -621,11 +617,12 @@ def runtime_details() -> list[dict]:
     return [dict(d) for d in _details]
 
 
-def run_serial(trainer_state) -> int | None:
-    """The serial number of the run whose ``trainer.state`` this is (its runtime_details() entry's "run"), or None."""
+def run_details(trainer_state) -> dict | None:
+    """The runtime_details() entry of the run whose ``trainer.state`` this is (a copy), or None: what the Trainer log of
+    that run reports (issue 51, item 5: not another Trainer's of the same class)."""
     for state in list(_known.values()):
         if state.run is trainer_state and state.details is not None:
-            return state.serial
+            return dict(state.details)
     return None
 
 
