@@ -99,7 +99,7 @@ def test_fixes_and_check_never_import_the_machinery_that_loads_them():
 
 
 @pytest.mark.parametrize("leaf", ["zerofix.versions", "zerofix.applied", "zerofix.errors", "zerofix.catalogue",
-                                  "zerofix.envvalues", "zerofix.fixes.contract", "zerofix.counter", "zerofix.scaling", "zerofix._log"])
+                                  "zerofix.envvalues", "zerofix.identity", "zerofix.fixes.contract", "zerofix.counter", "zerofix.scaling", "zerofix._log"])
 def test_leaves_import_no_zerofix_module(leaf):
     assert modules()[leaf] == set(), leaf
 

@@ -34,12 +34,13 @@ import torch
 
 from zerofix.fixes import trainer_scaling
 from zerofix.fixes.contract import Check, drifted, found
+from zerofix.identity import WeakIdentityMap
 
 FIX_ID = "transformers-trainer-chunked-loss"
 FIX_IDS = (FIX_ID,)
 _log = logging.getLogger("zerofix")
 _LOSS_KWARGS = ("num_items_in_batch", "labels", "shift_labels", "logits_to_keep", "return_dict")
-_routes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # transformers model -> _Route
+_routes = WeakIdentityMap()  # transformers model -> {batch form: _Route}
 _details: dict = {}  # model class name -> {"routed": bool, "why": str, "steps": int}
 
 
@@ -331,10 +332,10 @@ def _weak(obj) -> bool:
         return False
 
 
-_aside: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> reasons said
+_aside = WeakIdentityMap()  # trainer -> reasons said
 
 
-_paths: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> its zerofix.paths.Path
+_paths = WeakIdentityMap()  # trainer -> its zerofix.paths.Path
 
 
 def _covered(trainer) -> bool:
@@ -440,7 +441,7 @@ def compute_loss(wrapped, trainer, args, kwargs):
         _restore_forward(target, kept)
 
 
-_reached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> compute_loss reached in its step
+_reached = WeakIdentityMap()  # trainer -> compute_loss reached in its step
 
 
 def training_step(wrapped, trainer, args, kwargs):

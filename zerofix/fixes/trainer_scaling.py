@@ -84,6 +84,7 @@ from accelerate.utils import DistributedType  # imported by the fixes only, once
 
 from zerofix import envvalues, num_items_watch, paths, scaling, trainer_report, versions
 from zerofix.fixes.contract import Check, drifted, found
+from zerofix.identity import WeakIdentityMap
 
 FIX_ID = "transformers-trainer-scaling"
 FIX_IDS = (FIX_ID,)
@@ -118,7 +119,7 @@ class Known:
         self.env_statement = None  # ZEROFIX_LOSS_IS_SCALED_FOR_GA, read at every train()
 
 
-_known: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trainer -> Known
+_known = WeakIdentityMap()  # trainer -> Known (by identity: a trainer need not hash)
 
 
 def known(trainer) -> Known:
@@ -386,7 +387,7 @@ def get_batch_samples(wrapped, trainer, args, kwargs):
     accelerator = getattr(trainer, "accelerator", None)
     if accelerator is not None:
         try:
-            _training[accelerator] = trainer
+            _training[accelerator] = weakref.ref(trainer)  # a strong one would keep both alive (trainer.accelerator)
         except TypeError:  # not weak-referenceable: no report of unseen steps
             pass
     state = known(trainer)
@@ -756,7 +757,7 @@ def _say_reading(step: TrainerStep, plan: scaling.Plan) -> None:
 
 # accelerator -> its trainer, while the trainer's loop fetches windows (get_batch_samples): a backward of that
 # accelerator outside any training_step this entry saw is a step it does not cover
-_training: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_training = WeakIdentityMap()
 NOT_SEEN = ("not covered: this trainer's training_step does not reach Trainer.training_step (an override without "
             "super()), so zerofix never sees its steps; the Trainer's own scaling runs unchanged")
 
@@ -764,7 +765,8 @@ NOT_SEEN = ("not covered: this trainer's training_step does not reach Trainer.tr
 def _unseen(accelerator) -> None:
     """A backward of a training trainer's accelerator outside the steps this entry sees: said once per trainer, in the
     log and in the runtime details (``zerofix status``), so no log claims a fix this run does not get."""
-    trainer = _training.get(accelerator) if accelerator is not None else None
+    ref = _training.get(accelerator) if accelerator is not None else None
+    trainer = ref() if ref is not None else None
     if trainer is None:
         return
     state = known(trainer)
