@@ -27,6 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import tiny_model  # noqa: E402
+from fw_measure import cell, comparison  # noqa: E402
 
 # row -> (swift subcommand arguments, dataset file)
 ROWS = {
@@ -40,7 +41,6 @@ ROWS = {
     "kto": (["rlhf", "--rlhf_type", "kto"], "kto.jsonl"),
 }
 JUDGED = {row for row in ROWS if row != "kto"}
-RIGHT = 1e-4
 
 
 def command(swift: str, work: Path, row: str, out: Path, gas: int, batch: int) -> list[str]:
@@ -91,9 +91,7 @@ def update(work: Path, weights: str):
 
 
 def compare(work: Path, measured: str, reference: str) -> dict:
-    a, r = update(work, measured), update(work, reference)
-    return {"ratio": float(a @ r / (r @ r)), "cosine": float(a @ r / a.norm() / r.norm()),
-            "rel": float((a - r).abs().max() / r.abs().max())}
+    return comparison(update(work, measured), update(work, reference))
 
 
 def main(argv=None) -> int:
@@ -129,10 +127,7 @@ def main(argv=None) -> int:
     (work / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
     print("| run | unpatched | `ZEROFIX=1` |\n|---|---|---|")
     for r in results:
-        cells = [("error" if "error" in r[v] else f"{r[v]['ratio']:.4f} / {r[v]['cosine']:.4f}"
-                  + ("" if "error" in r[v] or not r["judged"] else " right" if r[v]["rel"] < RIGHT else " wrong"))
-                 for v in ("plain", "zerofix")]
-        print(f"| {r['row']} | {cells[0]} | {cells[1]} |")
+        print(f"| {r['row']} | {cell(r['plain'], r['judged'])} | {cell(r['zerofix'], r['judged'])} |")
     return 0
 
 

@@ -19,8 +19,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from fw_measure import cell, comparison  # noqa: E402
+
 ROWS = ("dpo", "orpo", "cpo", "kto", "reward")
-RIGHT = 1e-4
 
 
 def train(work: Path, row: str, gas: int, batch: int, patched: bool, out: Path) -> None:
@@ -92,9 +93,7 @@ def compare(measured: Path, reference: Path) -> dict:
         return torch.cat([(end[k].double() - init[k].double()).flatten() for k in sorted(init)
                           if k in end and "score" not in k])  # a reward head is new: the backbone's update
 
-    a, r = update(measured), update(reference)
-    return {"ratio": float(a @ r / (r @ r)), "cosine": float(a @ r / a.norm() / r.norm()),
-            "rel": float((a - r).abs().max() / r.abs().max())}
+    return comparison(update(measured), update(reference))
 
 
 def main(argv=None) -> int:
@@ -132,10 +131,8 @@ def main(argv=None) -> int:
     (work / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
     print("| TRL trainer | unpatched | `zerofix.patch()` | patched bitwise as unpatched |\n|---|---|---|---|")
     for r in results:
-        cells = [("error" if "error" in r[v] else f"{r[v]['ratio']:.4f} / {r[v]['cosine']:.4f}"
-                  + ("" if "error" in r[v] or not r["judged"] else " right" if r[v]["rel"] < RIGHT else " wrong"))
-                 for v in ("plain", "zerofix")]
-        print(f"| {r['row']} | {cells[0]} | {cells[1]} | {r.get('bitwise_as_unpatched', '-')} |")
+        print(f"| {r['row']} | {cell(r['plain'], r['judged'])} | {cell(r['zerofix'], r['judged'])} "
+              f"| {r.get('bitwise_as_unpatched', '-')} |")
     return 0
 
 
