@@ -67,3 +67,13 @@ def test_chunked_cross_entropy_parity_on_cuda(dtype, chunk_size):
     assert errors["zerofix"][1] == torch.float32, errors
     assert errors["zerofix"][0] <= 2 * errors["plain"][0] + 1e-7, errors
     assert errors["zerofix"][2] <= 2 * errors["plain"][2] + 1e-4, errors
+
+
+@pytest.mark.parametrize("engine", ["none", "fsdp2"])
+def test_issue_51_rows_are_right_on_the_gpu(engine):
+    """The identities, a loss that says it is per window, the hand fix, and a never-handed head whose handed step runs
+    again (its CUDA random state restored) on the GPU, bf16: fixed or right and unchanged, never harmed."""
+    m = matrix()
+    for row in m.rows(1, engines=(engine,), dtypes=("bf16",), cells=m.ISSUE51_CELLS):
+        assert "error" not in row, row
+        assert row["verdict"] in ("fixed", "right (unchanged)"), row

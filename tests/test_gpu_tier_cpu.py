@@ -37,3 +37,13 @@ def test_the_table_reads_the_cpu_verdicts():
     assert rows["lm"]["verdict"] == "right (unchanged)" and rows["lm"]["bitwise_as_unpatched"], rows
     assert rows["moe"]["verdict"] == "fixed", rows
     assert all(r["device"] == ["cpu"] for r in rows.values()), rows
+
+
+def test_issue_51s_gpu_rows_read_on_the_cpu():
+    """tools/gpu_issue51.sh's Trainer rows through the table's code on the CPU (fp32): the hand fix fixed, every other
+    row right and bitwise unchanged (the handed step run again included)."""
+    m = matrix()
+    rows = {r["head"]: r for r in m.one_run("none", "fp32", 1, cuda=False, cells=m.ISSUE51_CELLS)}
+    assert set(rows) == {c["name"] for c in m.ISSUE51_CELLS} and not any("error" in r for r in rows.values()), rows
+    assert rows.pop("times-steps")["verdict"] == "fixed"
+    assert all(r["verdict"] == "right (unchanged)" and r["bitwise_as_unpatched"] for r in rows.values()), rows

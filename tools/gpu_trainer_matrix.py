@@ -81,14 +81,16 @@ def verdict(unpatched: float, patched: float, right_unpatched: bool, right_patch
     return "HARMED" if right_unpatched else "STILL WRONG"
 
 
-def one_run(engine: str, dtype: str, nproc: int, cuda: bool = True) -> list[dict]:
+def one_run(engine: str, dtype: str, nproc: int, cuda: bool = True, cells=None) -> list[dict]:
     """The rows of one engine x dtype run (every head in one Trainer session). ``cuda=False``: the same run on the
-    CPU, and every row must have trained there (tests/test_gpu_tier_cpu.py: this code's CPU test)."""
+    CPU, and every row must have trained there (tests/test_gpu_tier_cpu.py: this code's CPU test). ``cells``: a list of
+    CELL_SETS (default: CELLS)."""
+    cell_set = CELLS if cells is None else cells
     from zerofix.check import launch, parity, runner
 
     launch.USE_CUDA = cuda  # the ranks see this machine's GPU (scenario_env hides it everywhere else)
     options = ENGINES[engine]
-    cells = [{**c, dtype: True} if dtype != "fp32" else dict(c) for c in CELLS]
+    cells = [{**c, dtype: True} if dtype != "fp32" else dict(c) for c in cell_set]
     request = parity.trainer_request(
         cells, nproc=nproc, zero_stage=options.get("zero_stage"), fsdp=options.get("fsdp"),
         ds_config=ds_config(options["zero_stage"], dtype) if "zero_stage" in options else None,
@@ -100,7 +102,7 @@ def one_run(engine: str, dtype: str, nproc: int, cuda: bool = True) -> list[dict
         except Exception as exc:  # noqa: BLE001 - a row that cannot run says why
             return [{"engine": engine, "dtype": dtype, "error": short(f"{type(exc).__name__}: {exc}")}]
     out = []
-    for cell in CELLS:
+    for cell in cell_set:
         result = results[cell["name"]]
         if "error" in result or "patched" not in result:
             out.append({"engine": engine, "dtype": dtype, "head": cell["name"], "error": short(str(result))})
@@ -123,7 +125,8 @@ def one_run(engine: str, dtype: str, nproc: int, cuda: bool = True) -> list[dict
     return out
 
 
-def rows(nproc: int = 1, engines=tuple(ENGINES), dtypes=("bf16", "fp16"), jobs: int = 1, on_rows=None) -> list[dict]:
+def rows(nproc: int = 1, engines=tuple(ENGINES), dtypes=("bf16", "fp16"), jobs: int = 1, on_rows=None,
+         cells=None) -> list[dict]:
     """Every engine x dtype run's rows; ``on_rows(rows so far, the run's rows)`` after each run (a caller with a time limit keeps
     what finished)."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -135,7 +138,7 @@ def rows(nproc: int = 1, engines=tuple(ENGINES), dtypes=("bf16", "fp16"), jobs: 
             continue
         todo += [(engine, dtype) for dtype in dtypes]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:  # each run is its own processes
-        for future in as_completed([pool.submit(one_run, *job, nproc) for job in todo]):
+        for future in as_completed([pool.submit(one_run, *job, nproc, True, cells) for job in todo]):
             new = future.result()
             out += new
             if on_rows:
@@ -174,8 +177,6 @@ def main(argv=None) -> int:
     p.add_argument("--cells", choices=tuple(CELL_SETS), default="default", help="which cells each run trains")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
-    global CELLS
-    CELLS = CELL_SETS[args.cells]
     engines, dtypes = args.engines.split(","), args.dtypes.split(",")
     if unknown := [e for e in engines if e not in ENGINES] + [d for d in dtypes if d not in TOLERANCE]:
         p.error(f"unknown {', '.join(unknown)}: engines are {', '.join(ENGINES)}; dtypes {', '.join(TOLERANCE)}")
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({"versions": versions, "rows": done, "complete": False}, indent=1))
 
-    results = rows(args.nproc, engines, dtypes, args.jobs, on_rows=so_far)
+    results = rows(args.nproc, engines, dtypes, args.jobs, on_rows=so_far, cells=CELL_SETS[args.cells])
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps({"versions": versions, "rows": results, "complete": True}, indent=1))
