@@ -390,7 +390,7 @@ def _user_hooks(module) -> bool:
 
 
 def compute_loss(wrapped, trainer, args, kwargs):
-    if trainer in _reached if _weak(trainer) else False:
+    if trainer in _reached:  # by identity: any trainer can be asked, weak-referenceable or not
         _reached[trainer] = True
     model = args[0] if args else kwargs.get("model")
     inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
@@ -447,7 +447,7 @@ _reached = WeakIdentityMap()  # trainer -> compute_loss reached in its step
 def training_step(wrapped, trainer, args, kwargs):
     """A training step whose loss never reached ``Trainer.compute_loss`` (a subclass's own ``compute_loss``: TRL's
     DPO and reward trainers) is computed as without the switch: said once per trainer (issue 52)."""
-    if not _weak(trainer) or trainer in _reached:
+    if trainer in _reached or not _weak(trainer):  # the common case, a step after one that reached it, asks once
         return wrapped(*args, **kwargs)
     inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
     _reached[trainer] = False
