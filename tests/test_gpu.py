@@ -40,9 +40,9 @@ def test_the_table_names_each_verdict():
 @pytest.mark.parametrize("chunk_size", [None, 128], ids=["one-chunk", "8-chunks"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_chunked_cross_entropy_parity_on_cuda(dtype, chunk_size):
-    """Issue 41: on CUDA the chunked loss runs its GEMMs in the input dtype with float32 accumulation; its loss
-    is float32 and within 2x plain's error against float64, its gradients as good as plain's; over several chunks
-    too (the weight gradient accumulated in place, zerofix.losses.add_mm_f32_)."""
+    """Issues 41 and 52: on CUDA the chunked loss of bf16/fp16 weights (the blocked path: GEMMs in the input dtype
+    with float32 accumulation inside, each gradient element rounded once) is float32 and within 2x plain's error
+    against float64, its gradients as good as plain's; over several row chunks and vocabulary blocks too."""
     import torch.nn.functional as F
 
     from zerofix import chunked_cross_entropy

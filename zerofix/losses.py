@@ -70,9 +70,10 @@ class ChunkedStats:
 
 class _Options:
     __slots__ = ("chunk_size", "label_smoothing", "logit_softcap", "z_loss", "logit_scale", "weight_scale",
-                 "stats", "acc")
+                 "stats", "acc", "valid", "explicit_chunk")
 
-    def __init__(self, chunk_size, label_smoothing, logit_softcap, z_loss, logit_scale, weight_scale, stats, acc):
+    def __init__(self, chunk_size, label_smoothing, logit_softcap, z_loss, logit_scale, weight_scale, stats, acc,
+                 valid=None, explicit_chunk=False):
         self.chunk_size = chunk_size
         self.label_smoothing = label_smoothing
         self.logit_softcap = logit_softcap
@@ -81,6 +82,8 @@ class _Options:
         self.weight_scale = weight_scale  # 1/denominator for the scalar reductions
         self.stats = stats
         self.acc = acc  # accumulation dtype: float32, or float64 for float64 inputs
+        self.valid = valid  # the blocked path (``_blocked_pass``): every row is passed, this mask says which count
+        self.explicit_chunk = explicit_chunk  # the caller chose chunk_size (else the blocked path sizes its blocks)
 
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -149,7 +152,8 @@ def _chunk_logits(h, weight, bias, opt, buf):
 
 
 def _chunk_loss_and_dlogits(z, t, y, opt, row_weight, want_grad, fold):
-    """Per-token loss of one chunk; with ``want_grad`` also d(sum_i w_i loss_i)/d(raw logits), in place of z.
+    """Per-token loss of one chunk, d(sum_i w_i loss_i)/d(raw logits) in place of z (None without ``want_grad``),
+    and the rows' log-sum-exp.
 
     Written for few passes over the ``rows x V`` block (memory bandwidth, not the matmuls, is what a chunk
     adds): max, exp in place, sum; the row scaling is left to the matmuls where possible (``_Folded``).
@@ -177,7 +181,7 @@ def _chunk_loss_and_dlogits(z, t, y, opt, row_weight, want_grad, fold):
     if opt.z_loss:
         loss += opt.z_loss * lse * lse
     if not want_grad:
-        return loss, None
+        return loss, None, lse
     # d loss_i / d z_ij = p_ij (1 + 2 zl lse_i) - (1 - eps) [j == y_i] - eps / V, times the row weight and
     # d z / d raw = logit_scale (1 - tanh^2):  factor_i e_ij + c_i [j == y_i] + u_i, times (1 - tanh^2).
     w = row_weight * opt.logit_scale
@@ -187,14 +191,14 @@ def _chunk_loss_and_dlogits(z, t, y, opt, row_weight, want_grad, fold):
     c = -(1.0 - eps) * w
     u = w * (-eps / vocab) if eps else None
     if t is None and fold:
-        return loss, _Folded(e, factor, c, u)  # the matmuls apply the row terms: no pass over the block
+        return loss, _Folded(e, factor, c, u), lse  # the matmuls apply the row terms: no pass over the block
     d = e.mul_(factor[:, None])
     if u is not None:
         d += u[:, None]
     d.scatter_add_(1, y[:, None], c[:, None])
     if t is not None:
-        d *= 1.0 - t * t
-    return loss, d
+        d.mul_(t.mul_(t).neg_().add_(1.0))  # in place: t is not read again
+    return loss, d, lse
 
 
 class _Folded:
@@ -208,12 +212,15 @@ class _Folded:
         self.e, self.factor, self.c, self.u = e, factor, c, u
 
 
-def _chunk_stats(z, y, lse):
-    """Correct argmax count and the sum of entropies of one chunk (z: float32 logits, before in-place use)."""
-    correct = (z.argmax(dim=-1) == y).sum()
+def _chunk_stats(z, y, lse, valid=None):
+    """Correct argmax count and the sum of entropies of one chunk (z: float32 logits, before in-place use), over the
+    rows ``valid`` marks (every row without it)."""
+    hit = z.argmax(dim=-1) == y
     p = torch.softmax(z, dim=-1)
-    entropy = (lse - (p * z).sum(dim=-1)).sum()
-    return correct, entropy
+    entropy = lse - (p * z).sum(dim=-1)
+    if valid is not None:
+        hit, entropy = hit & valid, entropy * valid
+    return hit.sum(), entropy.sum()
 
 
 def _chunks(n, size):
@@ -243,7 +250,7 @@ def _forward_pass(h, weight, bias, y, opt, row_weights, want_grads):
             c, ent = _chunk_stats(z, yc, torch.logsumexp(z, dim=-1))
             correct += c
             entropy += ent
-        loss, d = _chunk_loss_and_dlogits(z, t, yc, opt, row_weights[s:e] if want_any else None, want_any,
+        loss, d, _ = _chunk_loss_and_dlogits(z, t, yc, opt, row_weights[s:e] if want_any else None, want_any,
                                           buf is not None)
         losses[s:e] = loss
         if isinstance(d, _Folded):
@@ -300,6 +307,135 @@ def _apply_folded(f, hc, yc, weight, w_sum, grad_h, grad_w, grad_b, u_h):
     return u_h
 
 
+# --- The blocked path: low-precision weights, scalar reductions (issue 52) ------------------------------------------
+#
+# Memory. The fused path above keeps a float32 V x H weight-gradient buffer and its low-precision copy (2.4 GiB + 1.2
+# GiB at V=151936, H=4096): 4x Liger-Kernel's peak on an H100. Here nothing V x H is kept but the gradient itself, in
+# the weight's dtype, written once:
+# - pass 1, over row chunks: the logits in the weight's dtype (as the model's own head gives them), the loss, the
+#   log-sum-exp of every row, and dL/dh = dlogits @ W, one GEMM per chunk (float32 accumulation inside it);
+# - pass 2, over vocabulary blocks: the same block's logits for every row again, dlogits from the saved log-sum-exp,
+#   and that slice of dL/dW = dlogits.T @ h, one GEMM over all rows, written straight into the gradient.
+# Each element of each gradient is one GEMM's float32 sum rounded once, as plain autograd's are (nothing is summed
+# across chunks in low precision). The price is one more GEMM (the logits twice). Rows are not dropped by
+# ignore_index before the GEMMs (that would copy the hidden states and their gradient): ignored rows carry weight 0.
+# The float32 work on a block runs on a quarter of it at a time, written back into the block in the weight's dtype,
+# so a block costs its low-precision bytes plus a quarter of them twice over.
+
+_BLOCK_SHARE = 0.9  # of the hidden states' own bytes: what a block may keep alive (see block_sizes)
+_BLOCK_FLOOR = 16 * 2**20  # a small micro-batch still takes blocks this large (fewer passes over the weight)
+# Elsewhere _CHUNK_BYTES. ``meta``: benchmarks/bench_ce_bytes.py accounts a GPU's step on meta tensors, sized as CUDA's.
+_BLOCK_CAP = {"cuda": 1024 * 2**20, "meta": 1024 * 2**20}
+_SUB_SPLIT = 4
+
+
+def block_sizes(n: int, hidden_size: int, vocab_size: int, itemsize: int, device_type: str = "cpu",
+                float32_blocks: int = 1, chunk_size: int | None = None) -> tuple[int, int, int, int]:
+    """(rows per chunk of pass 1, rows per float32 piece of it, vocabulary entries per block of pass 2, rows per
+    float32 piece of that block) for the blocked path.
+
+    A block keeps alive its logits in the weight's dtype (``itemsize``) and ``float32_blocks`` float32 pieces of a
+    quarter of it (1; 2 with a softcap, 3 more with statistics). Its bytes stay under 0.9x the hidden states' own
+    (N x H x itemsize) and at least 16 MiB, so a step's peak grows by the two gradients and less than one
+    hidden-sized block: Liger-Kernel's Triton kernel keeps one low-precision logits chunk of about the hidden's size
+    (``next_pow2(N / ceil(V / H))`` rows). ``chunk_size``: the caller's rows per chunk, and the same bytes per block.
+    """
+    per_element = itemsize + 4.0 * float32_blocks / _SUB_SPLIT
+    if chunk_size is not None:
+        budget = chunk_size * vocab_size * per_element
+    else:
+        cap = _BLOCK_CAP.get(device_type, _CHUNK_BYTES)
+        budget = min(cap, max(_BLOCK_FLOOR, _BLOCK_SHARE * n * hidden_size * itemsize))
+    n = max(1, n)
+    rows = max(1, min(n, int(budget // (vocab_size * per_element))))
+    cols = max(1, min(vocab_size, int(budget // (n * per_element))))
+    return rows, -(-rows // _SUB_SPLIT), cols, -(-n // _SUB_SPLIT)
+
+
+def _finish_logits(z, bias, opt):
+    """Bias, scale and softcap of float32 logits ``z``, in place; returns (z, tanh term or None)."""
+    if bias is not None:
+        z += bias.to(opt.acc)
+    if opt.logit_scale != 1.0:
+        z *= opt.logit_scale
+    t = None
+    if opt.logit_softcap is not None:
+        t = torch.div(z, opt.logit_softcap).tanh_()
+        torch.mul(t, opt.logit_softcap, out=z)
+    return z, t
+
+
+def _dlogits_from_lse(z, t, y_local, inside, lse, row_weight, opt, vocab):
+    """d(sum_i w_i loss_i)/d(raw logits) of one vocabulary block, in place of its float32 logits ``z``, from the rows'
+    log-sum-exp (pass 1's): the formula of ``_chunk_loss_and_dlogits``, with the one-hot term only where the row's
+    label falls inside the block (``inside``; ``y_local`` its column there)."""
+    eps = opt.label_smoothing
+    w = row_weight * opt.logit_scale
+    factor = w * (1.0 + 2.0 * opt.z_loss * lse) if opt.z_loss else w
+    d = z.sub_(lse[:, None]).exp_().mul_(factor[:, None])
+    if eps:
+        d += (w * (-eps / vocab))[:, None]
+    c = (-(1.0 - eps) * w) * inside
+    d.scatter_add_(1, y_local[:, None], c[:, None])
+    if t is not None:
+        d.mul_(t.mul_(t).neg_().add_(1.0))
+    return d
+
+
+def _blocked_pass(h, weight, bias, y, opt, row_weights, want_grads):
+    """The blocked path's forward (see above): per-row losses, the gradients asked for (dh, dW in the weight's dtype,
+    db in float32) and the statistics over the rows ``opt.valid`` marks."""
+    n, vocab = h.shape[0], weight.shape[0]
+    acc, valid = opt.acc, opt.valid
+    want_h, want_w, want_b = want_grads
+    float32_blocks = 1 + (opt.logit_softcap is not None) + 3 * bool(opt.stats)
+    rows, piece, cols, col_piece = block_sizes(n, h.shape[1], vocab, weight.element_size(), h.device.type,
+                                               float32_blocks, opt.chunk_size if opt.explicit_chunk else None)
+    losses = torch.empty(n, dtype=acc, device=h.device)
+    lse_all = torch.empty(n, dtype=acc, device=h.device) if want_w or want_b else None
+    grad_h = torch.empty_like(h) if want_h else None
+    correct = torch.zeros((), dtype=torch.long, device=h.device)
+    entropy = torch.zeros((), dtype=acc, device=h.device)
+    for s, e in _chunks(n, rows):
+        block = h[s:e] @ weight.t()
+        for a, b in _chunks(e - s, piece):
+            i, j = s + a, s + b
+            z, t = _finish_logits(block[a:b].to(acc), bias, opt)
+            if opt.stats:
+                c, ent = _chunk_stats(z, y[i:j], torch.logsumexp(z, dim=-1), valid[i:j])
+                correct += c
+                entropy += ent
+            loss, d, lse = _chunk_loss_and_dlogits(z, t, y[i:j], opt, row_weights[i:j], want_h, False)
+            losses[i:j] = loss
+            if lse_all is not None:
+                lse_all[i:j] = lse
+            if want_h:
+                block[a:b] = d
+            del z, t, d
+        if want_h:
+            torch.matmul(block, weight, out=grad_h[s:e])
+        del block
+    grad_w = torch.empty_like(weight) if want_w else None
+    grad_b = torch.zeros(vocab, dtype=acc, device=h.device) if want_b else None
+    if want_w or want_b:
+        for v0, v1 in _chunks(vocab, cols):
+            block = h @ weight[v0:v1].t()
+            for a, b in _chunks(n, col_piece):
+                z, t = _finish_logits(block[a:b].to(acc), None if bias is None else bias[v0:v1], opt)
+                local = y[a:b] - v0
+                inside = (local >= 0) & (local < v1 - v0)
+                d = _dlogits_from_lse(z, t, local.clamp(0, v1 - v0 - 1), inside, lse_all[a:b], row_weights[a:b], opt,
+                                      vocab)
+                if want_b:
+                    grad_b[v0:v1] += d.sum(dim=0)
+                block[a:b] = d
+                del z, t, d
+            if want_w:
+                torch.matmul(block.t(), h, out=grad_w[v0:v1])
+            del block
+    return losses, (grad_h, grad_w, grad_b), (correct, entropy)
+
+
 class _ZeRO3Hold:
     """Keeps ZeRO-3 parameters gathered in backward until autograd has accumulated their gradient.
 
@@ -348,8 +484,13 @@ def hand_out_fused(weight, bias, grads, grad_out):
     grad_h, grad_w, grad_b = grads
     hold = _ZeRO3Hold([p for p, g in ((weight, grad_w), (bias, grad_b)) if g is not None], [])
     hold.release_if_no_grad()
-    if not torch.equal(grad_out, torch.ones_like(grad_out)):
-        grad_h, grad_w, grad_b = (None if g is None else g * grad_out.to(g.dtype) for g in (grad_h, grad_w, grad_b))
+    # Scaled in place: the buffers are this loss's own, and a copy of a V x H gradient would be one more V x H block
+    # at the peak (a Trainer's loss / GAS sends no 1 here). Meta tensors (benchmarks/bench_ce_bytes.py) have no values
+    # to compare.
+    if grad_out.device.type == "meta" or not torch.equal(grad_out, torch.ones_like(grad_out)):
+        for g in (grad_h, grad_w, grad_b):
+            if g is not None:
+                g.mul_(grad_out.to(g.dtype))
     return grad_h, grad_w, grad_b
 
 
@@ -359,9 +500,14 @@ class _ChunkedCE(torch.autograd.Function):
         want = ctx.needs_input_grad
         fused = opt.weight_scale is not None
         want_grads = (want[0], want[1], bias is not None and want[2]) if fused else (False, False, False)
-        row_weights = torch.full((h.shape[0],), 1.0 if opt.weight_scale is None else opt.weight_scale,
-                                 dtype=opt.acc, device=h.device)
-        losses, grads, stats = _forward_pass(h, weight, bias, y, opt, row_weights, want_grads)
+        if opt.valid is not None:  # the blocked path: every row passed, the ignored ones weighted 0
+            row_weights = opt.valid.to(opt.acc) * opt.weight_scale
+            losses, grads, stats = _blocked_pass(h, weight, bias, y, opt, row_weights, want_grads)
+            losses = torch.where(opt.valid, losses, 0.0)
+        else:
+            row_weights = torch.full((h.shape[0],), 1.0 if opt.weight_scale is None else opt.weight_scale,
+                                     dtype=opt.acc, device=h.device)
+            losses, grads, stats = _forward_pass(h, weight, bias, y, opt, row_weights, want_grads)
         ctx.opt, ctx.fused = opt, fused
         ctx.weight, ctx.bias = weight, bias  # the parameters themselves, for the ZeRO-3 hold in backward
         ctx.weight_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
@@ -463,27 +609,41 @@ def _run(hidden, weight, labels, bias, *, ignore_index, reduction, num_items_in_
         vocab, size = weight.shape
         flat_labels = labels.reshape(-1)
         valid = flat_labels != ignore_index
-        y = flat_labels[valid].long()
-        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= vocab):
-            raise ValueError(f"labels must be in [0, {vocab}) or ignore_index={ignore_index}; got values in "
-                             f"[{int(y.min())}, {int(y.max())}]")
         h = hidden.reshape(-1, size)
-        h_valid = h[valid]
+        # Low-precision weights and a scalar reduction take the blocked path (``_blocked_pass``): every row, ignored
+        # ones weighted 0, so neither the hidden states nor their gradient is copied.
+        blocked = reduction != "none" and weight.dtype in _LOW_PRECISION
+        if blocked:
+            meta = hidden.device.type == "meta"  # benchmarks/bench_ce_bytes.py: shapes, no values
+            if not meta and bool((valid & ((flat_labels < 0) | (flat_labels >= vocab))).any()):
+                _bad_labels(flat_labels[valid], vocab, ignore_index)
+            y = flat_labels.masked_fill(~valid, 0).long()
+            h_valid = h
+            n_valid = valid.sum() if meta else int(valid.sum())
+        else:
+            y = flat_labels[valid].long()
+            if y.numel() and (int(y.min()) < 0 or int(y.max()) >= vocab):
+                _bad_labels(y, vocab, ignore_index)
+            h_valid = h[valid]
+            n_valid = y.numel()
         if h_valid.dtype != weight.dtype:
             h_valid = h_valid.to(weight.dtype)
-        n_valid = y.numel()
         if reduction == "none":
             weight_scale = None
         elif reduction == "sum":
             weight_scale = 1.0
         else:
             denom = n_valid if num_items_in_batch is None else _items(num_items_in_batch, weight.dtype)
-            weight_scale = 1.0 / denom if denom > 0 else 0.0  # no counted token anywhere: loss 0, gradient 0
+            if isinstance(denom, torch.Tensor):  # a count on the meta device: no value to test
+                weight_scale = 1.0 / denom.clamp(min=1)
+            else:
+                weight_scale = 1.0 / denom if denom > 0 else 0.0  # no counted token anywhere: loss 0, gradient 0
             if isinstance(num_items_in_batch, torch.Tensor) and denom > 0:
                 weight_scale = 1.0  # the sum, divided by the count tensor below (where a watch sees the division)
         opt = _Options(chunk_size or default_chunk_size(vocab, weight.device.type), float(label_smoothing),
                        logit_softcap, float(z_loss), float(logit_scale), weight_scale, stats,
-                       torch.promote_types(weight.dtype, torch.float32))
+                       torch.promote_types(weight.dtype, torch.float32), valid if blocked else None,
+                       chunk_size is not None)
         out, correct, entropy = _ChunkedCE.apply(h_valid, weight, bias, y, opt)
     if reduction == "none":
         full = out.new_zeros(flat_labels.shape)
@@ -498,7 +658,13 @@ def _run(hidden, weight, labels, bias, *, ignore_index, reduction, num_items_in_
     out = out.to(out_dtype)
     # The scatter of dh back to the ignored positions is autograd's (the indexing above), so ignored
     # positions get an exact zero gradient.
-    return out, ChunkedStats(correct, entropy, torch.tensor(n_valid, device=hidden.device))
+    count = n_valid if isinstance(n_valid, torch.Tensor) else torch.tensor(n_valid, device=hidden.device)
+    return out, ChunkedStats(correct, entropy, count)
+
+
+def _bad_labels(y, vocab, ignore_index):
+    raise ValueError(f"labels must be in [0, {vocab}) or ignore_index={ignore_index}; got values in "
+                     f"[{int(y.min())}, {int(y.max())}]")
 
 
 def chunked_cross_entropy(hidden, weight, labels, bias=None, *, ignore_index: int = -100,
