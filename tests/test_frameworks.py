@@ -4,6 +4,7 @@ SGD step, fp32, unpatched and with ``ZEROFIX=1`` (zerofix reaches the run throug
 
 - Both are right upstream (SFT divides by the count; DPO divides its loss by the accumulation steps itself) and stay
   right with ``ZEROFIX=1``: before issue 51, zerofix read DPO's loss as a micro-batch mean and trained at 0.25.
+- docs/frameworks.md's generated table holds both rows as this run measures them.
 - zerofix's Trainer-log line appears in ms-swift's console output (which replaces transformers' DEFAULT_CALLBACKS at
   start-up, dropping zerofix's callback before), and names the framework's trainer class and what zerofix did.
 
@@ -45,6 +46,8 @@ def test_ms_swift_sft_and_dpo_are_right_with_zerofix_and_say_so(tmp_path, capsys
         assert fixed["rel"] < RIGHT and fixed["ratio"] == pytest.approx(1.0, abs=1e-4), (row, fixed)  # no harm
         lines = results[row]["zerofix_lines"]
         assert sum("fixes act on this run" in line or "fix acts on this run" in line for line in lines) == 1, lines
+        # docs/frameworks.md's generated table holds these rows as measured here (swift_suite.py --write-docs)
+        assert tool.doc_rows().get(row) == tool.table_row(results[row]), (tool.doc_rows().get(row), results[row])
     dpo_lines = "\n".join(results["dpo"]["zerofix_lines"])
     assert "on DPOTrainer: the loss is independent of num_items_in_batch and its last operation divides it by " \
            "gradient_accumulation_steps (4): read as already per accumulation window" in dpo_lines, dpo_lines

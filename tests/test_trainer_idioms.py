@@ -6,6 +6,7 @@ second time):
   from ``n.new_zeros``, ``n + 1e-8``, ``maximum(n, 1)``, ``where(n > 0, s / n, 0 * s)``, ``nan_to_num``): divided, so
   the reference on both stacks (5.3's 0.25 undone), with nothing said;
 - a mean plus ``torch.zeros_like(n)``: independent, so scaled as the mean it is (the reference; 4.0 on 5.24 upstream);
+  each micro-batch's token mean over uneven label counts, so the mean of means is said once (issue 53, item 3);
 - a loss that says what it is: the micro-batch mean divided by the accumulation steps where the Trainer hands the count
   (ms-swift's RLHF trainers) is per window; the model's loss times the steps, or the model handed ``n / steps`` (hand
   fixes of 5.3's second division) is one window's loss times the steps. Each reaches the reference, bitwise upstream's
@@ -114,7 +115,11 @@ def test_issue_51_rows(ranks, stack):
         assert runtime["steps_unknown"] == 0, (where, runtime)
         # a mean zerofix rescales is said once (a user's own division by the steps cannot be told from it: issue 40)
         rescaled = ["rescaled as a mean, unstated"] if name == "zeros-like-mean" and stack == "latest" else []
-        assert runtime.get("warnings", []) == rescaled, (where, runtime)
+        # a token mean of each micro-batch (uneven label counts) that takes no count: the mean of means, said (issue 53)
+        means = ["micro-batch mean term: mean of micro-batch means"] if name in ("zeros-like-mean",
+                                                                              "steps-divided-mean") else []
+        assert runtime.get("warnings", []) == rescaled + means, (where, runtime)
+        assert ("micro_batch_mean" in runtime) == bool(means), (where, runtime)
         if name in IDIOM_ROWS:
             assert runtime["steps_divided"] >= 1 and "scaled_for_ga" not in runtime, (where, runtime)
         elif name == "zeros-like-mean":

@@ -65,6 +65,16 @@ def build(out: Path) -> Path:
             answer, good = (c, True) if i % 2 == 0 else (r, False)
             f.write(json.dumps({"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": answer}],
                                 "label": good}) + "\n")
+    # 16 samples for the 2-process rows (2 ranks x 2 x GA 4 against one process's 1 x 16): the 8 above and 8 more
+    # with other prompts, so no two samples are the same
+    again = [f"once more: {p}" for p in PROMPTS]
+    with open(out / "sft16.jsonl", "w") as f:
+        for p, c in zip(PROMPTS + again, CHOSEN + CHOSEN[::-1]):
+            f.write(json.dumps({"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": c}]}) + "\n")
+    with open(out / "dpo16.jsonl", "w") as f:
+        for p, c, r in zip(PROMPTS + again, CHOSEN + CHOSEN[::-1], REJECTED + REJECTED[::-1]):
+            f.write(json.dumps({"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": c}],
+                                "rejected_response": r}) + "\n")
     return model_dir
 
 

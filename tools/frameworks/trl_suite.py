@@ -68,12 +68,18 @@ def train(work: Path, row: str, gas: int, batch: int, patched: bool, out: Path) 
 
                 trainer = DPOTrainer(model=model, args=DPOConfig(**common), train_dataset=data, processing_class=tok)
             elif row == "orpo":
-                from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+                try:
+                    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+                except ImportError:  # TRL < 0.26 keeps it in trl itself
+                    from trl import ORPOConfig, ORPOTrainer
 
                 trainer = ORPOTrainer(model=model, args=ORPOConfig(**common), train_dataset=data,
                                       processing_class=tok)
             else:
-                from trl.experimental.cpo import CPOConfig, CPOTrainer
+                try:
+                    from trl.experimental.cpo import CPOConfig, CPOTrainer
+                except ImportError:
+                    from trl import CPOConfig, CPOTrainer
 
                 trainer = CPOTrainer(model=model, args=CPOConfig(**common), train_dataset=data, processing_class=tok)
     from torch.utils.data import SequentialSampler
@@ -122,6 +128,8 @@ def main(argv=None) -> int:
         for variant in ("plain", "zerofix"):
             entry[variant] = (compare(outs[variant], outs["big"]) if outs[variant] and outs["big"]
                               else {"error": f"see {row}/{variant}/log.txt"})
+        log = (work / row / "zerofix" / "log.txt").read_text()
+        entry["zerofix_lines"] = [line for line in log.splitlines() if "zerofix: " in line]
         if outs["plain"] and outs["zerofix"]:  # zerofix's update against upstream's own, bitwise
             import torch
 
@@ -129,10 +137,15 @@ def main(argv=None) -> int:
             entry["bitwise_as_unpatched"] = all(torch.equal(a[k], b[k]) for k in a)
         results.append(entry)
     (work / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
-    print("| TRL trainer | unpatched | `zerofix.patch()` | patched bitwise as unpatched |\n|---|---|---|---|")
+    import trl
+
+    print(f"TRL {trl.__version__}")
+    print("| TRL trainer | unpatched | `zerofix.patch()` | patched bitwise as unpatched | zerofix said |\n"
+          "|---|---|---|---|---|")
     for r in results:
+        warned = any("averages a term over its own micro-batch" in line for line in r["zerofix_lines"])
         print(f"| {r['row']} | {cell(r['plain'], r['judged'])} | {cell(r['zerofix'], r['judged'])} "
-              f"| {r.get('bitwise_as_unpatched', '-')} |")
+              f"| {r.get('bitwise_as_unpatched', '-')} | {'WARNING: a micro-batch mean term' if warned else '-'} |")
     return 0
 
 

@@ -82,7 +82,7 @@ import torch
 
 from accelerate.utils import DistributedType  # imported by the fixes only, once accelerate is
 
-from zerofix import envvalues, num_items_watch, paths, scaling, trainer_report, versions
+from zerofix import envvalues, micro_means, num_items_watch, paths, scaling, trainer_report, versions
 from zerofix.fixes.contract import Check, drifted, found
 from zerofix.identity import WeakIdentityMap
 
@@ -101,7 +101,7 @@ class Known:
     depends on the model, the loss function or the arguments is read again at every ``train()`` (``run``)."""
 
     __slots__ = ("run", "path", "compiled", "verdict", "window", "stated", "statement", "details", "plans", "warned",
-                 "handing", "counted", "env_statement")
+                 "handing", "counted", "env_statement", "means")
 
     def __init__(self):
         self.run = None  # trainer.state of the run the facts below were read in (a new one at every train())
@@ -117,6 +117,7 @@ class Known:
         self.warned = set()  # warnings given in this run
         self.counted = False  # the current window was counted only because zerofix hands the count (count_never_handed)
         self.env_statement = None  # ZEROFIX_LOSS_IS_SCALED_FOR_GA, read at every train()
+        self.means = None  # the first window's micro_means records, while they are read (None: done or not reading)
 
 
 _known = WeakIdentityMap()  # trainer -> Known (by identity: a trainer need not hash)
@@ -205,6 +206,7 @@ def _new_run(trainer, state: Known, model) -> None:
         return
     state.run, state.stated, state.plans, state.warned = run, None, {}, set()
     state.details, state.counted, state.env_statement = None, False, envvalues.loss_statement()
+    state.means = []
     state.path = paths.trainer_path(trainer)
     state.compiled = _compiled(trainer, model)
     trainer_report.ensure_on(trainer)  # a framework that replaced DEFAULT_CALLBACKS (ms-swift) still hears of zerofix
@@ -652,6 +654,8 @@ def backward(wrapped, accelerator, args, kwargs):
     verdict = _verdict(step, loss)
     loss = num_items_watch.unwatched(loss)  # the engine gets a plain tensor: bitwise the same value and graph
     details = _record_verdict(step, verdict)
+    if step.state.means is not None:
+        _read_micro_means(step, verdict, loss)
     if step.handed:
         _check_handed(step, verdict, details)
         if step.redo:  # no backward of a loss the handed count changed: training_step runs the micro-batch again
@@ -682,6 +686,38 @@ def backward(wrapped, accelerator, args, kwargs):
         return wrapped(*args, **kwargs)
     finally:
         accelerator.gradient_accumulation_steps = steps
+
+
+def _read_micro_means(step: TrainerStep, verdict, loss) -> None:
+    """Issue 53, item 3: over a run's first window, the means the loss takes over its own micro-batch (``micro_means``);
+    where one divides by a count that changes between the window's micro-batches, the update averages micro-batch means
+    and zerofix, which cannot hand that term a count, leaves that as upstream computes it and says so once. Read only where the loss does
+    not take the count (independent of it, or never handed it) and zerofix hands the model none: a loss divided by the
+    count, and a head zerofix hands the count to, are the Trainer entry's other paths."""
+    state = step.state
+    gas = int(step.trainer.args.gradient_accumulation_steps)
+    independent = verdict is None or verdict.state == num_items_watch.INDEPENDENT
+    if gas <= 1 or step.handed or state.handing or not independent:
+        state.means = None
+        return
+    state.means.append(micro_means.micro_means(loss))
+    if len(state.means) < int(state.window or gas):
+        return
+    records, state.means = state.means, None
+    changed = micro_means.differing(records)
+    if not changed:
+        return
+    kind, counts = changed[0]
+    said = (f"averages a term over its own micro-batch (a {kind} over {', '.join(map(str, counts))} elements in the "
+            f"first window's {len(counts)} micro-batches), so with gradient accumulation the update averages "
+            "micro-batch means where one batch of the window's size takes one mean; zerofix cannot hand that term a "
+            "count, and that mean of means stays as upstream computes it")
+    details = _details_of(step.trainer)
+    details["micro_batch_mean"] = said
+    _note(details, "micro-batch mean term: mean of micro-batch means")
+    _warn_main(step.trainer, "zerofix: %s's loss %s. For the window's mean: make that term a sum divided by the "
+               "window's count (the Trainer's num_items_in_batch), or train with gradient_accumulation_steps=1 and the "
+               "same total batch", type(step.trainer).__name__, said)
 
 
 def _reading(accelerator, step: TrainerStep, verdict, loss) -> str | None:

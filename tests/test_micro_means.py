@@ -1,0 +1,120 @@
+"""Issue 53, item 3: a loss term averaged over its own micro-batch (TRL's ORPO / CPO NLL term, ms-swift's RPO term) makes
+gradient accumulation average micro-batch means. zerofix reads the means from the loss's autograd graph over a run's
+first window and, where a count changed between micro-batches, says so once (it cannot hand that term a count); where
+no count changed, or the loss is divided by the Trainer's count, it says nothing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+from conftest import run_python  # noqa: E402
+from zerofix.micro_means import differing, micro_means  # noqa: E402
+
+
+def logits_and_labels(ignored):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=g, requires_grad=True)
+    labels = torch.randint(0, 7, (2, 5), generator=g)
+    labels.view(-1)[:ignored] = -100
+    return logits, labels
+
+
+@pytest.mark.stack_independent
+def test_the_means_a_loss_takes_and_their_counts():
+    logits, labels = logits_and_labels(3)
+    assert micro_means(F.cross_entropy(logits.view(-1, 7), labels.view(-1))) == [("cross-entropy token mean", 7)]
+    # ignore_index read from the node (TRL's DPO flattens with ignore_index=0)
+    zeros = labels.clamp(min=0)
+    counted = int((zeros != 0).sum())
+    assert micro_means(F.cross_entropy(logits.view(-1, 7), zeros.view(-1), ignore_index=0)) == [
+        ("cross-entropy token mean", counted)]
+    logps = logits.log_softmax(-1).amax(-1)
+    mask = labels != -100
+    assert micro_means(-logps[mask].mean()) == [("mean", 7)]  # ms-swift's RPO term: a masked selection's mean
+    # not a count: a mean over a dimension, a sum, a class-weighted cross-entropy, no graph at all
+    assert micro_means(logps.mean(-1).sum()) == []
+    weighted = F.cross_entropy(logits.view(-1, 7), labels.view(-1), weight=torch.ones(7))
+    assert micro_means(weighted) == [] and micro_means(torch.tensor(1.0)) is None
+    both = F.cross_entropy(logits.view(-1, 7), labels.view(-1), reduction="sum") / 7 + logps.mean()
+    assert micro_means(both) == [("mean", 10)]
+
+
+@pytest.mark.stack_independent
+def test_which_counts_changed():
+    a, b = [("mean", 2), ("cross-entropy token mean", 7)], [("mean", 2), ("cross-entropy token mean", 9)]
+    assert differing([a, b, a]) == [("cross-entropy token mean", [7, 9, 7])]
+    assert differing([a, a]) == [] and differing([a]) == [] and differing([a, None]) == []
+    assert differing([a, [("mean", 2)]]) == []  # graphs of different shapes: nothing to compare
+
+
+SCRIPT = r"""
+import json, logging, sys, tempfile
+import torch, torch.nn.functional as F
+import zerofix
+zerofix.patch()
+from transformers import Trainer, TrainingArguments
+from zerofix.check import models
+
+records = []
+class Capture(logging.Handler):
+    def emit(self, record):
+        records.append((record.levelname, record.getMessage()))
+logging.getLogger("zerofix").addHandler(Capture())
+
+KIND = sys.argv[1]
+samples = []
+for i in range(8):
+    ids = torch.randint(1, models.VOCAB, (12,), generator=torch.Generator().manual_seed(i))
+    labels = ids.clone()
+    if KIND != "even":
+        labels[: 1 + (i * 3) % 10] = -100  # prompts of uneven length: 2 to 11 counted labels
+    samples.append({"input_ids": ids, "labels": labels})
+
+class NllTrainer(Trainer):
+    # ORPO's shape: a sequence-level term (a per-sample mean) plus an NLL token mean over the micro-batch
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        logits = model(input_ids=inputs["input_ids"]).logits[:, :-1]
+        labels = inputs["labels"][:, 1:]
+        logps = logits.log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+        per_sample = (logps * (labels != -100)).sum(-1).sigmoid().log().mean()
+        if KIND == "per-sample":
+            return -per_sample
+        return -per_sample + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+torch.manual_seed(0)
+model = models.build_model("causal-lm")
+args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                         max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", report_to=[],
+                         use_cpu=True, save_strategy="no", logging_strategy="no", max_grad_norm=0,
+                         dataloader_drop_last=True)
+NllTrainer(model=model, args=args, train_dataset=samples, data_collator=lambda rows: {
+    k: torch.stack([r[k] for r in rows]) for k in rows[0]}).train()
+from zerofix.fixes import trainer_scaling
+print("RESULT" + json.dumps({"records": records, "details": trainer_scaling.runtime_details()}, default=str))
+"""
+
+
+def run(kind):
+    proc = run_python(SCRIPT, args=(kind,), env={"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"},
+                      timeout=300)
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+    return json.loads(line[len("RESULT"):])
+
+
+@pytest.mark.slow
+@pytest.mark.stack("latest", "2026-04")
+def test_a_micro_batch_token_mean_in_a_trainers_loss_is_said_once():
+    result = run("uneven")
+    said = [msg for level, msg in result["records"] if level == "WARNING" and "averages a term over its own" in msg]
+    assert len(said) == 1, result["records"]
+    assert "NllTrainer's loss averages a term over its own micro-batch (a cross-entropy token mean over" in said[0]
+    assert "gradient_accumulation_steps=1" in said[0] and "num_items_in_batch" in said[0]
+    assert "a cross-entropy token mean over" in result["details"][-1]["micro_batch_mean"]  # zerofix status says it too
+    for kind in ("even", "per-sample"):  # every count the same; no mean over a count at all
+        quiet = run(kind)
+        assert not [m for _, m in quiet["records"] if "averages a term" in m], (kind, quiet["records"])
+        assert "micro_batch_mean" not in quiet["details"][-1], quiet["details"]
