@@ -7,8 +7,9 @@ batch unpatched on one process is the reference; the accumulated run goes unpatc
 reaches the run through its ``.pth``, as it reaches a user's). Layouts: one process (the default) GA 4 x 2 against
 1 x 8; ``@ddp``, ``@zero2``, ``@zero3``: two processes (``NPROC_PER_NODE=2``, ms-swift's own torchrun launch, gloo),
 GA 4 x 2 per rank against one process's 1 x 16 on 16 samples; the ZeRO layouts take ms-swift's own ``zero2.json`` /
-``zero3.json`` with ``zero_allow_untested_optimizer`` added (the rows use torch's SGD, so the update is the gradient)
-and fp16 / bf16 off (float32 rows; "auto" turned fp16 on, which DeepSpeed's CPU accelerator refuses). Each GA run's update is compared with the reference's:
+``zero3.json`` with ``zero_allow_untested_optimizer`` added (the rows use torch's SGD, so the update is the gradient).
+Every row passes ``--fp16 false --bf16 false``: ms-swift sets ``fp16=True`` by itself (inert on CPU without DeepSpeed;
+with it, the config's "auto" turns fp16 on, which DeepSpeed's CPU accelerator refuses). Each GA run's update is compared with the reference's:
 ``ratio`` (<A, R> / <R, R>), ``cosine``, ``rel`` (max |A - R| / max |R|; right when below 1e-4). Writes
 OUT_DIR/results.jsonl and prints a Markdown table (docs/frameworks.md holds the measured one). Needs the swift stack
 (constraints/swift.txt) with zerofix installed in it; nothing is downloaded (MODELSCOPE_OFFLINE, HF_HUB_OFFLINE).
@@ -57,14 +58,11 @@ def split(name: str) -> tuple[str, str | None]:
 
 
 def deepspeed_config(work: Path, layout: str) -> Path:
-    """ms-swift's own config for the layout, with the key torch's SGD needs under ZeRO, and fp16 / bf16 off: the rows
-    are float32, and DeepSpeed's CPU accelerator refuses fp16 that the config's "auto" turns on."""
+    """ms-swift's own config for the layout, with the one key torch's SGD needs under ZeRO."""
     import swift
 
     config = json.loads((Path(swift.__file__).parent / "config" / f"{layout}.json").read_text())
     config["zero_allow_untested_optimizer"] = True
-    for half in ("fp16", "bf16"):
-        config.setdefault(half, {})["enabled"] = False
     path = work / f"{layout}.json"
     path.write_text(json.dumps(config, indent=1))
     return path
@@ -77,7 +75,7 @@ def command(swift: str, work: Path, row: str, out: Path, gas: int, batch: int, l
         data = data.replace(".jsonl", "16.jsonl")
     extra = ["--deepspeed", str(deepspeed_config(work, layout))] if layout in ("zero2", "zero3") else []
     return [swift, *sub, *extra, "--model", str(work / "model"), "--model_type", "llama", "--template", "chatml",
-            "--dataset", str(work / data), "--tuner_type", "full", "--torch_dtype", "float32",
+            "--dataset", str(work / data), "--tuner_type", "full", "--torch_dtype", "float32", "--fp16", "false", "--bf16", "false",
             "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", str(gas), "--max_steps", "1",
             "--learning_rate", "1", "--optim", "sgd", "--lr_scheduler_type", "constant", "--warmup_ratio", "0",
             "--weight_decay", "0", "--max_grad_norm", "0", "--output_dir", str(out), "--save_strategy", "steps",
