@@ -140,15 +140,7 @@ def _chunk_logits(h, weight, bias, opt, buf):
         z = mm_f32(h, weight.t())  # float32 logits straight from the tensor cores: no rounding to bf16 between
     else:
         z = (h @ weight.t()).to(opt.acc)
-    if bias is not None:
-        z += bias.to(opt.acc)
-    if opt.logit_scale != 1.0:
-        z *= opt.logit_scale
-    t = None
-    if opt.logit_softcap is not None:
-        t = torch.tanh(z / opt.logit_softcap)
-        z = torch.mul(t, opt.logit_softcap, out=z)
-    return z, t
+    return _finish_logits(z, bias, opt)
 
 
 def _chunk_loss_and_dlogits(z, t, y, opt, row_weight, want_grad, fold):
@@ -361,7 +353,7 @@ def _finish_logits(z, bias, opt):
     t = None
     if opt.logit_softcap is not None:
         t = torch.div(z, opt.logit_softcap).tanh_()
-        torch.mul(t, opt.logit_softcap, out=z)
+        z = torch.mul(t, opt.logit_softcap, out=z)
     return z, t
 
 
