@@ -28,15 +28,17 @@ KEY_DISTS = ("torch", "transformers", "accelerate", "deepspeed", "trl")
 
 
 def tool(name: str):
-    """A module of tools/ (which is no package), loaded once by path."""
+    """A module of tools/ (which is no package), loaded once by path: ``count_survey``, ``frameworks/swift_suite``
+    (registered under its file's name)."""
     import importlib.util
 
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    key = Path(name).name
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, ROOT / "tools" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
+        sys.modules[key] = module
         spec.loader.exec_module(module)
-    return sys.modules[name]
+    return sys.modules[key]
 
 
 def stack_pins(name: str) -> dict[str, str]:

@@ -2,22 +2,15 @@
 what zerofix said, rows merged by name into the table between its markers in a fixed order, the rest of the page kept."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
-from conftest import ROOT
+from conftest import tool
 
 pytestmark = pytest.mark.stack_independent
 
 
 def suite():
-    spec = importlib.util.spec_from_file_location("swift_suite_tables", ROOT / "tools" / "frameworks" / "swift_suite.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("swift_suite_tables", module)
-    spec.loader.exec_module(module)
-    return module
+    return tool("frameworks/swift_suite")
 
 
 def result(row, rel=1e-7, lines=()):

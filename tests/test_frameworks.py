@@ -13,27 +13,16 @@ The other rows (ORPO, CPO, SimPO, KTO, reward modelling, DPO with an RPO term) a
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
-from conftest import ROOT
+from conftest import tool as conftest_tool
 
 pytestmark = [pytest.mark.distributed, pytest.mark.stack("swift")]
 RIGHT = 1e-4
 
 
-def suite():
-    spec = importlib.util.spec_from_file_location("swift_suite", ROOT / "tools" / "frameworks" / "swift_suite.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("swift_suite", module)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_ms_swift_sft_and_dpo_are_right_with_zerofix_and_say_so(tmp_path, capsys):
-    tool = suite()
+    tool = conftest_tool("frameworks/swift_suite")
     assert tool.main([str(tmp_path), "sft", "dpo", "--jobs", "2"]) == 0
     print(capsys.readouterr().out)
     import json
@@ -57,9 +46,7 @@ def test_trls_own_kto_trainer_trains_with_zerofix_as_without(tmp_path):
     """TRL 0.29.1 (what ms-swift resolves) defines KTOTrainer.__eq__ without __hash__: zerofix's Trainer entry raised
     `TypeError: unhashable type: 'KTOTrainer'` in the Trainer's own loop. Now the patched update is bitwise the
     unpatched one (tools/frameworks/trl_suite.py; KTO's batch KL term makes GA differ from the big batch by design)."""
-    spec = importlib.util.spec_from_file_location("trl_suite", ROOT / "tools" / "frameworks" / "trl_suite.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = conftest_tool("frameworks/trl_suite")
     assert tool.main([str(tmp_path), "kto"]) == 0
     import json
 

@@ -691,9 +691,9 @@ def backward(wrapped, accelerator, args, kwargs):
 def _read_micro_means(step: TrainerStep, verdict, loss) -> None:
     """Issue 53, item 3: over a run's first window, the means the loss takes over its own micro-batch (``micro_means``);
     where one divides by a count that changes between the window's micro-batches, the update averages micro-batch means
-    and zerofix, which cannot hand that term a count, leaves that as upstream computes it and says so once. Read only where the loss does
-    not take the count (independent of it, or never handed it) and zerofix hands the model none: a loss divided by the
-    count, and a head zerofix hands the count to, are the Trainer entry's other paths."""
+    and zerofix, which cannot hand that term a count, leaves it as upstream computes it and says so once. Read only
+    where the loss does not take the count (independent of it, or never handed it) and zerofix hands the model none: a
+    loss divided by the count, and a head zerofix hands the count to, are the Trainer entry's other paths."""
     state = step.state
     gas = int(step.trainer.args.gradient_accumulation_steps)
     independent = verdict is None or verdict.state == num_items_watch.INDEPENDENT
