@@ -7,7 +7,11 @@ PYTEST_ARGS ?=
 venv = .venvs/$(1)/.installed
 comma := ,
 # matplotlib (zerofix check --plot) and accelerate's own tests' needs only on the stacks that run them
-extras = deepspeed,hf,dev$(if $(filter latest 2026-04,$(1)),$(comma)plot$(comma)upstream)$(if $(filter latest,$(1)),$(comma)peft)$(if $(filter latest 2026-04 trl160 trl1100 trl1142,$(1)),$(comma)grpo)$(if $(filter swift,$(1)),$(comma)swift)
+extras = deepspeed,hf,dev$(if $(filter latest 2026-04,$(1)),$(comma)plot$(comma)upstream)$(if $(filter latest,$(1)),$(comma)peft)$(if $(filter latest 2026-04 trl160 trl1100 trl1142,$(1)),$(comma)grpo)$(if $(filter swift,$(1)),$(comma)swift)$(if $(filter llamafactory,$(1)),$(comma)llamafactory)
+# A stack's overrides (a dependency's pin replaced: LLaMA-Factory's torchaudio pins its own torch) and excludes (a
+# package left out of the resolution), where its constraints/<stack>.overrides / .excludes exist
+resolution = $(if $(wildcard constraints/$(1).overrides),--overrides constraints/$(1).overrides) \
+	$(if $(wildcard constraints/$(1).excludes),--excludes constraints/$(1).excludes)
 
 # The fast tier: unit, contract and structure tests plus one small distributed smoke per mechanism (tests
 # marked smoke); the full tier adds every distributed matrix (marked distributed) and the slow rest (slow).
@@ -43,7 +47,10 @@ $(TORCH_WHEELS)/.fetched:
 		$(TORCH_WHEELS)/torch-2.13.0+cpu-*.whl setuptools wheel
 	# compat: the checkout on sys.path, so a folder named zerofix beside a script cannot shadow the package
 	$(UV) pip install -q --python .venvs/$*/bin/python --compile-bytecode --no-build-isolation -c constraints/$*.txt \
-		-e '.[$(call extras,$*)]' --config-settings editable_mode=compat
+		$(call resolution,$*) -e '.[$(call extras,$*)]' --config-settings editable_mode=compat
+	# torchaudio's wheels on the registry are CUDA builds (none for torch 2.13): its native libraries cannot load
+	# beside the CPU torch, and without them its Python part imports (LLaMA-Factory imports it at start-up)
+	rm -f .venvs/$*/lib/python*/site-packages/torchaudio/lib/*.so
 	touch $@
 
 venv: $(call venv,$(STACK))

@@ -111,7 +111,15 @@ def test_a_micro_batch_token_mean_in_a_trainers_loss_is_said_once():
     result = run("uneven")
     said = [msg for level, msg in result["records"] if level == "WARNING" and "averages a term over its own" in msg]
     assert len(said) == 1, result["records"]
-    assert "NllTrainer's loss averages a term over its own micro-batch (a cross-entropy token mean over" in said[0]
+    if result["details"][-1]["corrected"]:  # latest: the Trainer's path sums the micro-batch means; zerofix averages
+        # them (it scales the loss, which ignores its count, as a micro-batch mean), said in the same one WARNING
+        assert "NllTrainer's loss is independent of num_items_in_batch and averages a term over its own micro-batch " \
+               "(a cross-entropy token mean over" in said[0]
+        assert "the update averages micro-batch means (the Trainer's own path summed them)" in said[0]
+        assert [level for level, msg in result["records"] if "independent of num_items_in_batch" in msg] == ["WARNING"]
+    else:  # 2026-04: the Trainer's own path averages the micro-batch means, and runs unchanged
+        assert "NllTrainer's loss averages a term over its own micro-batch (a cross-entropy token mean over" in said[0]
+        assert "that mean of means stays as upstream computes it" in said[0]
     assert "gradient_accumulation_steps=1" in said[0] and "num_items_in_batch" in said[0]
     assert "a cross-entropy token mean over" in result["details"][-1]["micro_batch_mean"]  # zerofix status says it too
     for kind in ("even", "per-sample"):  # every count the same; no mean over a count at all

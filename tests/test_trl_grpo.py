@@ -80,16 +80,35 @@ def fixed_releases():
 @pytest.mark.stack("trl160")
 @uses(both_variants)
 def test_trl160_updates_are_gas_over_spg_unpatched_and_the_window_mean_patched(ranks):
-    records, unpatched = grpo(ranks, CASES, zerofix=False)
-    assert all(r["status"][e] == "inactive" for r in records for e in ENTRIES)
-    for case in CASES:
+    gas_over_spg_unpatched_and_the_reference_patched(ranks, CASES, ENTRIES)
+
+
+# TRL as the frameworks pin it (issue 53): 0.29.1 (ms-swift 4.6, the swift stack) and 0.24.0 (LLaMA-Factory 0.9.5;
+# here with transformers 4.57.1, the 2025-10 stack, where its GRPOTrainer imports). Their default loss, dapo.
+FRAMEWORK_CASES = [{"loss_type": "dapo", "spg": spg, "gas": GAS} for spg in (1, 2, 4)]
+
+
+def framework_releases():
+    return [grpo_request(FRAMEWORK_CASES, zerofix=z) for z in (False, True)]
+
+
+@pytest.mark.stack("swift", "2025-10")
+@uses(framework_releases)
+def test_the_frameworks_trl_releases_are_gas_over_spg_unpatched_and_the_window_mean_patched(ranks):
+    gas_over_spg_unpatched_and_the_reference_patched(ranks, FRAMEWORK_CASES, ENTRIES[:1])
+
+
+def gas_over_spg_unpatched_and_the_reference_patched(ranks, cases, entries):
+    records, unpatched = grpo(ranks, cases, zerofix=False)
+    assert all(r["status"][e] == "inactive" for r in records for e in entries)
+    for case in cases:
         name, factor = trl_grpo.case_name(case), case["gas"] / case["spg"]
         # the update is the intended one scaled by GAS/spg: same direction, measured factor
         assert abs(unpatched[name]["ratio"] - factor) <= 1e-5 * factor, (name, unpatched[name]["ratio"])
         assert unpatched[name]["rel_err"] <= abs(1 - factor) + 1e-5, (name, unpatched[name]["rel_err"])
-    records, patched = grpo(ranks, CASES, zerofix=True)
-    assert all(r["status"][e] == "applied" for r in records for e in ENTRIES)
-    for case in CASES:
+    records, patched = grpo(ranks, cases, zerofix=True)
+    assert all(r["status"][e] == "applied" for r in records for e in entries)
+    for case in cases:
         name = trl_grpo.case_name(case)
         assert patched[name]["rel_err"] <= SAME, (name, patched[name]["rel_err"])
     right = trl_grpo.case_name({"loss_type": "dapo", "spg": GAS, "gas": GAS})

@@ -19,20 +19,17 @@ is measured, not judged.
 """
 from __future__ import annotations
 
-import argparse
-import concurrent.futures
-import glob
 import json
-import os
-import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import fw_measure  # noqa: E402
 import tiny_model  # noqa: E402
-from fw_measure import cell, comparison  # noqa: E402
+from fw_measure import LAYOUTS, table_row  # noqa: E402,F401  (the tests read them here)
 
 # row -> (swift subcommand arguments, dataset file)
 ROWS = {
@@ -44,17 +41,34 @@ ROWS = {
     "simpo": (["rlhf", "--rlhf_type", "simpo"], "dpo.jsonl"),
     "rm": (["rlhf", "--rlhf_type", "rm"], "dpo.jsonl"),
     "kto": (["rlhf", "--rlhf_type", "kto"], "kto.jsonl"),
+    # GRPO generates with the Trainer's model (no vLLM here): 2 completions of up to 12 tokens per prompt, rewarded by
+    # their length (a plugin, as ms-swift's users add their own rewards); its default steps_per_generation = GA, so the
+    # accumulated run and the big batch sample the same 8 completions from the same seed (measured: 1.8e-7)
+    "grpo": (["rlhf", "--rlhf_type", "grpo", "--external_plugins", "{work}/length_reward.py", "--reward_funcs", "length",
+              "--num_generations", "2", "--max_completion_length", "12", "--use_vllm", "false", "--temperature", "1.0"],
+             "prompts.jsonl"),
 }
-JUDGED = {row for row in ROWS if row != "kto"}
-LAYOUTS = ("ddp", "zero2", "zero3")  # two processes; the default layout is one process
+LENGTH_REWARD = '''from swift.rewards.orm import ORM, orms
 
 
-def split(name: str) -> tuple[str, str | None]:
-    """``sft@zero2`` -> ("sft", "zero2"); ``sft`` -> ("sft", None)."""
-    row, _, layout = name.partition("@")
-    if row not in ROWS or (layout and layout not in LAYOUTS):
-        raise SystemExit(f"unknown row {name!r}: rows {sorted(ROWS)}, layouts @{', @'.join(LAYOUTS)}")
-    return row, layout or None
+class Length(ORM):
+    """A reward that differs between completions: their length in characters, scaled."""
+
+    def __call__(self, completions, **kwargs):
+        return [len(c) / 10.0 for c in completions]
+
+
+orms["length"] = Length
+'''
+
+
+def prepare(work: Path) -> None:
+    """GRPO's reward plugin and its prompts (the SFT samples' user turns: 4 prompts x 2 completions make 8)."""
+    (work / "length_reward.py").write_text(LENGTH_REWARD)
+    for name, count in (("prompts.jsonl", 4), ("prompts16.jsonl", 8)):
+        rows = [json.loads(line) for line in (work / name.replace("prompts", "sft")).read_text().splitlines()]
+        (work / name).write_text("".join(json.dumps({"messages": [m for m in r["messages"] if m["role"] == "user"]})
+                                         + "\n" for r in rows[:count]))
 
 
 def deepspeed_config(work: Path, layout: str) -> Path:
@@ -68,172 +82,35 @@ def deepspeed_config(work: Path, layout: str) -> Path:
     return path
 
 
-def command(swift: str, work: Path, row: str, out: Path, gas: int, batch: int, layout: str | None = None,
+def command(work: Path, row: str, out: Path, gas: int, batch: int, layout: str | None = None,
             sixteen: bool = False) -> list[str]:
+    swift = str(Path(sys.executable).with_name("swift"))
     sub, data = ROWS[row]
     if sixteen:
         data = data.replace(".jsonl", "16.jsonl")
     extra = ["--deepspeed", str(deepspeed_config(work, layout))] if layout in ("zero2", "zero3") else []
+    sub = [arg.format(work=work) for arg in sub]
     return [swift, *sub, *extra, "--model", str(work / "model"), "--model_type", "llama", "--template", "chatml",
-            "--dataset", str(work / data), "--tuner_type", "full", "--torch_dtype", "float32", "--fp16", "false", "--bf16", "false",
-            "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", str(gas), "--max_steps", "1",
-            "--learning_rate", "1", "--optim", "sgd", "--lr_scheduler_type", "constant", "--warmup_ratio", "0",
-            "--weight_decay", "0", "--max_grad_norm", "0", "--output_dir", str(out), "--save_strategy", "steps",
-            "--save_steps", "1", "--save_only_model", "true", "--logging_steps", "1", "--use_cpu", "true",
-            "--split_dataset_ratio", "0", "--dataloader_num_workers", "0", "--report_to", "none", "--seed", "0",
-            "--dataset_shuffle", "false", "--train_dataloader_shuffle", "false"]
+            "--dataset", str(work / data), "--tuner_type", "full", "--torch_dtype", "float32", "--fp16", "false",
+            "--bf16", "false", "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", str(gas),
+            "--max_steps", "1", "--learning_rate", "1", "--optim", "sgd", "--lr_scheduler_type", "constant",
+            "--warmup_ratio", "0", "--weight_decay", "0", "--max_grad_norm", "0", "--output_dir", str(out),
+            "--save_strategy", "steps", "--save_steps", "1", "--save_only_model", "true", "--logging_steps", "1",
+            "--use_cpu", "true", "--split_dataset_ratio", "0", "--dataloader_num_workers", "0", "--report_to", "none",
+            "--seed", "0", "--dataset_shuffle", "false", "--train_dataloader_shuffle", "false"]
 
 
-def run(swift: str, work: Path, name: str, variant: str, reuse: bool = False) -> dict:
-    """One run of row ``name`` (``row[@layout]``): ``big`` (the reference: one process, the whole batch at once),
-    ``plain`` or ``zerofix`` (accumulated, in the layout)."""
-    row, layout = split(name)
-    two = layout is not None
-    if variant == "big":
-        gas, batch = 1, 16 if two else 8
-    else:
-        gas, batch = 4, 2
-    where = reference_name(name) if variant == "big" else name  # one reference for a row's 2-process layouts
-    out = work / "runs" / where / variant
-    found = glob.glob(str(out / "*" / "checkpoint-1" / "model.safetensors"))
-    log_file = work / "runs" / where / f"{variant}.log"
-    if reuse and found and log_file.exists():
-        log = log_file.read_text()
-        return {"row": name, "variant": variant, "rc": 0, "weights": found[0],
-                "zerofix_lines": zerofix_lines(log)}
-    env = {**os.environ, "MODELSCOPE_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    env.pop("ZEROFIX", None)
-    env.pop("NPROC_PER_NODE", None)
-    if variant == "zerofix":
-        env["ZEROFIX"] = "1"
-    if two and variant != "big":
-        env["NPROC_PER_NODE"], env["MASTER_PORT"] = "2", str(free_port())
-    cmd = command(swift, work, row, out, gas, batch, layout if variant != "big" else None, sixteen=two)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    log = done.stdout + done.stderr
-    log_file.write_text(log)
-    found = glob.glob(str(out / "*" / "checkpoint-1" / "model.safetensors"))
-    return {"row": name, "variant": variant, "rc": done.returncode, "weights": found[0] if found else None,
-            "zerofix_lines": zerofix_lines(log)}
-
-
-def reference_name(name: str) -> str:
-    """Where row ``name``'s reference runs: its own folder on one process; ``row@16`` for every 2-process layout."""
-    row, layout = split(name)
-    return f"{row}@16" if layout else name
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def zerofix_lines(log: str) -> list[str]:
-    """What zerofix said in the run's console (the Trainer log's lines and the zerofix logger's)."""
-    return [line for line in log.splitlines() if "zerofix: " in line]
-
-
-def update(work: Path, weights: str):
-    import torch
-    from safetensors.torch import load_file
-
-    init, end = load_file(work / "model" / "model.safetensors"), load_file(weights)
-    # the parameters both have (a reward model's score head is new: its backbone's update is compared)
-    return torch.cat([(end[k].double() - init[k].double()).flatten() for k in sorted(init) if k in end])
-
-
-def compare(work: Path, measured: str, reference: str) -> dict:
-    return comparison(update(work, measured), update(work, reference))
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("out")
-    p.add_argument("rows", nargs="*", default=list(ROWS))
-    p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--reuse", action="store_true", help="compare the runs OUT_DIR already holds, running only the rest")
-    p.add_argument("--write-docs", action="store_true", help="write the measured rows into docs/frameworks.md's table")
-    args = p.parse_args(argv)
-    work = Path(args.out).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    if not (args.reuse and (work / "model").exists()):
-        tiny_model.build(work)
-    swift = str(Path(sys.executable).with_name("swift"))
-    for name in args.rows:
-        for where in (name, reference_name(name)):
-            (work / "runs" / where).mkdir(parents=True, exist_ok=True)
-    references = {reference_name(name): name for name in args.rows}  # each reference runs once
-    jobs = [(name, "big") for name in references.values()]
-    jobs += [(row, v) for row in args.rows for v in ("plain", "zerofix")]
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        runs = list(pool.map(lambda job: run(swift, work, *job, reuse=args.reuse), jobs))
-    by = {(r["row"], r["variant"]): r for r in runs}
-    results = []
-    for row in args.rows:
-        big = by[(references[reference_name(row)], "big")]
-        entry = {"row": row, "judged": split(row)[0] in JUDGED}
-        for variant in ("plain", "zerofix"):
-            ran = by[(row, variant)]
-            if not (ran["weights"] and big["weights"]):
-                entry[variant] = {"error": f"rc {ran['rc']} / {big['rc']}: see runs/{row}/{variant}.log"}
-                continue
-            entry[variant] = compare(work, ran["weights"], big["weights"])
-        entry["zerofix_lines"] = by[(row, "zerofix")]["zerofix_lines"]
-        results.append(entry)
-    (work / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
-    print(HEADER)
-    for r in results:
-        print(table_row(r))
-    if args.write_docs:
-        write_docs(results, DOCS)
-        print(f"written into {DOCS}")
-    return 0
-
-
-# docs/frameworks.md's ms-swift table, generated: write_docs replaces the rows it measured and keeps the others
-DOCS = HERE.parent.parent / "docs" / "frameworks.md"
-BEGIN, END = "<!-- swift-table: generated by tools/frameworks/swift_suite.py --write-docs -->", "<!-- /swift-table -->"
-HEADER = "| run | unpatched | `ZEROFIX=1` | zerofix said |\n|---|---|---|---|"
-SAID = (("read as already per accumulation window", "loss read as per window"),
-        ("averages a term over its own micro-batch", "WARNING: a micro-batch mean term"))
-
-
-def said(result: dict) -> str:
-    """What zerofix's console lines said of the row's loss, in a few words."""
-    lines = "\n".join(result.get("zerofix_lines", ()))
-    return "; ".join(short for marker, short in SAID if marker in lines) or "-"
-
-
-def table_row(result: dict) -> str:
-    return (f"| `{result['row']}` | {cell(result['plain'], result['judged'])} | "
-            f"{cell(result['zerofix'], result['judged'])} | {said(result)} |")
-
-
-def doc_rows(path: Path = DOCS) -> dict[str, str]:
-    """The generated table's rows in the docs, by row name."""
-    text = path.read_text()
-    if BEGIN not in text:
-        return {}
-    body = text.split(BEGIN, 1)[1].split(END, 1)[0]
-    return {line.split("`")[1]: line for line in body.splitlines() if line.startswith("| `")}
-
-
-def write_docs(results: list[dict], path: Path = DOCS) -> None:
-    rows = doc_rows(path)
-    rows.update({r["row"]: table_row(r) for r in results})
-    order = [f"{row}{suffix}" for suffix in ("", *(f"@{layout}" for layout in LAYOUTS)) for row in ROWS]
-    table = "\n".join([HEADER, *(rows[name] for name in order if name in rows)])
-    text = path.read_text()
-    if BEGIN in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + BEGIN + "\n" + table + "\n" + END + rest.split(END, 1)[1]
-    else:
-        raise SystemExit(f"{path} has no {BEGIN} marker")
-    path.write_text(text)
-
+FRAMEWORK = fw_measure.Framework(
+    name="swift", rows=tuple(ROWS), judged=frozenset(ROWS) - {"kto"}, command=command,
+    two_process_env=lambda: {"NPROC_PER_NODE": "2"},  # ms-swift launches torchrun itself
+    weights="*/checkpoint-1/model.safetensors", prepare=prepare,
+    begin="<!-- swift-table: generated by tools/frameworks/swift_suite.py --write-docs -->",
+    base_env={"MODELSCOPE_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+BEGIN, END = fw_measure.markers(FRAMEWORK)
+split, reference_name = FRAMEWORK.split, FRAMEWORK.reference_name
+main = partial(fw_measure.main, FRAMEWORK, tiny_model)
+doc_rows = partial(fw_measure.doc_rows, FRAMEWORK)
+write_docs = partial(fw_measure.write_docs, FRAMEWORK)
 
 if __name__ == "__main__":
     sys.exit(main())

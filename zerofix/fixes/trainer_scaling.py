@@ -101,7 +101,7 @@ class Known:
     depends on the model, the loss function or the arguments is read again at every ``train()`` (``run``)."""
 
     __slots__ = ("run", "path", "compiled", "verdict", "window", "stated", "statement", "details", "plans", "warned",
-                 "handing", "counted", "env_statement", "means")
+                 "handing", "counted", "env_statement", "means", "rescale_said")
 
     def __init__(self):
         self.run = None  # trainer.state of the run the facts below were read in (a new one at every train())
@@ -118,6 +118,7 @@ class Known:
         self.counted = False  # the current window was counted only because zerofix hands the count (count_never_handed)
         self.env_statement = None  # ZEROFIX_LOSS_IS_SCALED_FOR_GA, read at every train()
         self.means = None  # the first window's micro_means records, while they are read (None: done or not reading)
+        self.rescale_said = None  # the rescale warning, held while the first window's means are read (one WARNING)
 
 
 _known = WeakIdentityMap()  # trainer -> Known (by identity: a trainer need not hash)
@@ -206,7 +207,7 @@ def _new_run(trainer, state: Known, model) -> None:
         return
     state.run, state.stated, state.plans, state.warned = run, None, {}, set()
     state.details, state.counted, state.env_statement = None, False, envvalues.loss_statement()
-    state.means = []
+    state.means, state.rescale_said = [], None
     state.path = paths.trainer_path(trainer)
     state.compiled = _compiled(trainer, model)
     trainer_report.ensure_on(trainer)  # a framework that replaced DEFAULT_CALLBACKS (ms-swift) still hears of zerofix
@@ -606,12 +607,22 @@ def _warn_rescaled(step: TrainerStep, call: scaling.Call) -> None:
         return
     state.warned.add("rescaled")
     _note(state.details, "rescaled as a mean, unstated")
-    _warn_main(trainer, "zerofix: %s's loss is independent of num_items_in_batch: zerofix scales it as a "
-               "micro-batch mean (averaged over the window's %d micro-batches). If your compute_loss already divides "
-               "it by gradient_accumulation_steps, state it: zerofix.loss_is_scaled_for_ga(trainer) or, from the "
-               "environment, ZEROFIX_LOSS_IS_SCALED_FOR_GA=1 (or trainer.loss_is_scaled_for_ga = True on "
-               "transformers >= 5.19)",
-               type(trainer).__name__, call.window)
+    said = f"zerofix scales it as a micro-batch mean (averaged over the window's {call.window} micro-batches)"
+    if state.means is not None:  # the first window's means are being read: one WARNING at its end says both
+        state.rescale_said = said
+        return
+    _say_rescaled(trainer, said)
+
+
+_IF_ALREADY_DIVIDED = ("If your compute_loss already divides it by gradient_accumulation_steps, state it: "
+                       "zerofix.loss_is_scaled_for_ga(trainer) or, from the environment, "
+                       "ZEROFIX_LOSS_IS_SCALED_FOR_GA=1 (or trainer.loss_is_scaled_for_ga = True on transformers >= "
+                       "5.19)")
+
+
+def _say_rescaled(trainer, said: str) -> None:
+    _warn_main(trainer, "zerofix: %s's loss is independent of num_items_in_batch: %s. %s", type(trainer).__name__,
+               said, _IF_ALREADY_DIVIDED)
 
 
 def runtime_details() -> list[dict]:
@@ -698,26 +709,43 @@ def _read_micro_means(step: TrainerStep, verdict, loss) -> None:
     gas = int(step.trainer.args.gradient_accumulation_steps)
     independent = verdict is None or verdict.state == num_items_watch.INDEPENDENT
     if gas <= 1 or step.handed or state.handing or not independent:
-        state.means = None
+        _stop_reading_means(step)
         return
     state.means.append(micro_means.micro_means(loss))
     if len(state.means) < int(state.window or gas):
         return
-    records, state.means = state.means, None
-    changed = micro_means.differing(records)
+    changed = micro_means.differing(state.means)
     if not changed:
+        _stop_reading_means(step)
         return
+    rescaled, state.means, state.rescale_said = state.rescale_said, None, None
     kind, counts = changed[0]
-    said = (f"averages a term over its own micro-batch (a {kind} over {', '.join(map(str, counts))} elements in the "
-            f"first window's {len(counts)} micro-batches), so with gradient accumulation the update averages "
-            "micro-batch means where one batch of the window's size takes one mean; zerofix cannot hand that term a "
-            "count, and that mean of means stays as upstream computes it")
+    term = (f"a {kind} over {', '.join(map(str, counts))} elements in the first window's {len(counts)} "
+            "micro-batches")
+    if rescaled is None:  # upstream's own scaling: a mean of the micro-batch means
+        said = (f"averages a term over its own micro-batch ({term}), so with gradient accumulation the update averages "
+                "micro-batch means where one batch of the window's size takes one mean; zerofix cannot hand that term "
+                "a count, and that mean of means stays as upstream computes it")
+        tail = ""
+    else:  # zerofix's scaling of a micro-batch mean: the mean of the micro-batch means, which upstream summed
+        said = (f"is independent of num_items_in_batch and averages a term over its own micro-batch ({term}): "
+                f"{rescaled}, so the update averages micro-batch means (the Trainer's own path summed them) where one "
+                "batch of the window's size takes one mean; zerofix cannot hand that term a count")
+        tail = " " + _IF_ALREADY_DIVIDED
     details = _details_of(step.trainer)
     details["micro_batch_mean"] = said
     _note(details, "micro-batch mean term: mean of micro-batch means")
     _warn_main(step.trainer, "zerofix: %s's loss %s. For the window's mean: make that term a sum divided by the "
                "window's count (the Trainer's num_items_in_batch), or train with gradient_accumulation_steps=1 and the "
-               "same total batch", type(step.trainer).__name__, said)
+               "same total batch.%s", type(step.trainer).__name__, said, tail)
+
+
+def _stop_reading_means(step: TrainerStep) -> None:
+    """The first window's reading ends without a micro-batch mean to say: a rescale warning held for it is said now."""
+    state = step.state
+    held, state.means, state.rescale_said = state.rescale_said, None, None
+    if held is not None:
+        _say_rescaled(step.trainer, held)
 
 
 def _reading(accelerator, step: TrainerStep, verdict, loss) -> str | None:

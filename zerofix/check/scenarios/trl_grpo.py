@@ -145,6 +145,9 @@ def _tokenizer(model_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
+    # a causal LM reads no token_type_ids: TRL 0.24 hands the tokenizer's whole output to generate(), which
+    # transformers 4.57 refuses with them
+    tokenizer.model_input_names = ["input_ids", "attention_mask"]
     return tokenizer
 
 

@@ -1,0 +1,55 @@
+"""Issue 53: zerofix where users launch it. LLaMA-Factory 0.9.5's own command line (``llamafactory-cli train
+config.yaml``) on a tiny local Llama, GA 4 x 2 against the big batch on the same samples, one SGD step, fp32,
+unpatched and with ``ZEROFIX=1`` (zerofix reaches the run through its ``.pth``, as it reaches a user's).
+
+- SFT and DPO (sigmoid) are right upstream and stay right, bitwise, with ``ZEROFIX=1``; SFT on two processes under
+  ZeRO-3 (LLaMA-Factory's own torchrun launch and ``ds_z3_config.json``'s keys) too.
+- ``use_asft_loss``: LLaMA-Factory's compute_loss drops the count the Trainer hands it, so upstream sums the window's
+  micro-batch means (the measured bug: about 4.6x the big batch's update). zerofix scales that loss as a micro-batch
+  mean: closer to the big batch, still a mean of micro-batch means (the loss's DFT term is a token mean over its own
+  micro-batch, which zerofix cannot hand a count), said in one WARNING that names the term and the fix.
+- docs/frameworks.md's generated table holds these rows as this run measures them.
+
+The other rows (DFT, packing, ORPO, SimPO, DPO with an SFT term, KTO, reward modelling, DDP and ZeRO-2) are a tool:
+``tools/frameworks/llamafactory_suite.py``; docs/frameworks.md holds their measured table.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import tool as conftest_tool
+
+pytestmark = [pytest.mark.distributed, pytest.mark.stack("llamafactory")]
+RIGHT = 1e-4
+
+
+def test_llamafactory_sft_dpo_and_zero3_are_right_with_zerofix_and_asft_is_closer_and_said(tmp_path, capsys):
+    tool = conftest_tool("frameworks/llamafactory_suite")
+    assert tool.main([str(tmp_path), "sft", "dpo", "asft", "sft@zero3", "--jobs", "2"]) == 0
+    print(capsys.readouterr().out)
+    results = {r["row"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
+    for row in ("sft", "dpo", "sft@zero3"):
+        plain, fixed = results[row]["plain"], results[row]["zerofix"]
+        assert "error" not in plain and "error" not in fixed, (row, plain, fixed)
+        assert plain["rel"] < RIGHT and plain["ratio"] == pytest.approx(1.0, abs=1e-4), (row, plain)  # upstream: right
+        assert results[row]["bitwise_as_unpatched"] is True, (row, results[row])  # no harm
+        lines = results[row]["zerofix_lines"]
+        assert sum("fixes act on this run" in line for line in lines) == 1, lines  # LLaMA-Factory's console says it
+    zero3 = "\n".join(results["sft@zero3"]["zerofix_lines"])
+    assert "(through DeepSpeed)" in zero3 and "(ZeRO-3)" in zero3, zero3  # the DeepSpeed engine really ran
+
+    asft = results["asft"]
+    plain, fixed = asft["plain"], asft["zerofix"]
+    assert plain["ratio"] > 3.5 and plain["rel"] > 1, plain  # upstream: the window's micro-batch means summed
+    assert fixed["ratio"] == pytest.approx(plain["ratio"] / 4, rel=1e-6), fixed  # zerofix: their mean
+    assert fixed["cosine"] == pytest.approx(plain["cosine"], abs=1e-6) and fixed["rel"] < plain["rel"] / 4, fixed
+    said = [line for line in asft["zerofix_lines"] if "averages a term over its own micro-batch" in line]
+    assert len(said) == 1 and "independent of num_items_in_batch" in said[0], asft["zerofix_lines"]
+    assert "make that term a sum divided by the window's count" in said[0], said
+    assert not [line for line in asft["zerofix_lines"] if "scales it as a micro-batch mean" in line and
+                line not in said], asft["zerofix_lines"]  # one WARNING says both
+
+    for row in ("sft", "dpo", "asft"):  # docs/frameworks.md's generated table (llamafactory_suite.py --write-docs)
+        assert tool.doc_rows().get(row) == tool.table_row(results[row]), (tool.doc_rows().get(row), results[row])
