@@ -10,7 +10,7 @@ pytestmark = pytest.mark.stack_independent
 
 
 def suite():
-    return tool("frameworks/swift_suite")
+    return tool("frameworks/swift_suite").FRAMEWORK
 
 
 def result(row, rel=1e-7, lines=()):
@@ -21,7 +21,8 @@ def result(row, rel=1e-7, lines=()):
 def test_rows_are_written_between_the_markers_merged_and_ordered(tmp_path):
     tool = suite()
     page = tmp_path / "frameworks.md"
-    page.write_text(f"# before\n\n{tool.BEGIN}\n{tool.END}\n\nafter\n")
+    begin, end = tool.markers()
+    page.write_text(f"# before\n\n{begin}\n{end}\n\nafter\n")
     tool.write_docs([result("dpo@ddp"), result("sft", lines=["zerofix: X's loss averages a term over its own "
                                                                "micro-batch (...)"])], page)
     tool.write_docs([result("dpo", rel=0.2, lines=["... read as already per accumulation window ..."])], page)
@@ -42,3 +43,25 @@ def test_row_names_and_the_real_page():
         tool.split("sft@fsdp")
     documented = tool.doc_rows()  # docs/frameworks.md carries the generated table
     assert {"sft", "dpo", "orpo", "sft@ddp", "dpo@zero2"} <= set(documented), sorted(documented)
+
+
+def test_the_llamafactory_suites_config_and_table(tmp_path):
+    """llamafactory_suite.py's YAML for one run (the row's keys, the 16-sample data of a 2-process layout, the ZeRO
+    layout's DeepSpeed config) and its table in the real page, without running LLaMA-Factory."""
+    import json
+
+    module = tool("frameworks/llamafactory_suite")
+    out = tmp_path / "runs" / "asft@zero3" / "plain"
+    out.parent.mkdir(parents=True)
+    cmd = module.command(tmp_path, "asft", out, 4, 2, "zero3", sixteen=True)
+    assert cmd[0].endswith("llamafactory-cli") and cmd[1] == "train"
+    config = dict(line.split(": ", 1) for line in (tmp_path / cmd[2]).read_text().splitlines())
+    assert config["use_asft_loss"] == "true" and config["dataset"] == '"sft16"' and config["stage"] == '"sft"'
+    assert config["gradient_accumulation_steps"] == "4" and config["per_device_train_batch_size"] == "2"
+    deepspeed = json.loads((tmp_path / json.loads(config["deepspeed"])).read_text())
+    assert deepspeed["zero_optimization"]["stage"] == 3 and deepspeed["zero_allow_untested_optimizer"] is True
+    assert "deepspeed" not in module.command(tmp_path, "dpo", out, 1, 8)[2]  # the big batch: one process, no ZeRO
+    documented = module.FRAMEWORK.doc_rows()
+    assert {"sft", "asft", "dpo", "rm", "sft@zero3", "dpo@zero3"} <= set(documented), sorted(documented)
+    swift = suite().doc_rows()  # each framework's table between its own markers
+    assert "asft" not in swift and "grpo" in swift and "grpo" not in documented

@@ -22,7 +22,7 @@ RIGHT = 1e-4
 
 
 def test_ms_swift_sft_and_dpo_are_right_with_zerofix_and_say_so(tmp_path, capsys):
-    tool = conftest_tool("frameworks/swift_suite")
+    tool = conftest_tool("frameworks/swift_suite").FRAMEWORK
     assert tool.main([str(tmp_path), "sft", "dpo", "--jobs", "2"]) == 0
     print(capsys.readouterr().out)
     import json

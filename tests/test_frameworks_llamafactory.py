@@ -26,7 +26,7 @@ RIGHT = 1e-4
 
 
 def test_llamafactory_sft_dpo_and_zero3_are_right_with_zerofix_and_asft_is_closer_and_said(tmp_path, capsys):
-    tool = conftest_tool("frameworks/llamafactory_suite")
+    tool = conftest_tool("frameworks/llamafactory_suite").FRAMEWORK
     assert tool.main([str(tmp_path), "sft", "dpo", "asft", "sft@zero3", "--jobs", "2"]) == 0
     print(capsys.readouterr().out)
     results = {r["row"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}

@@ -69,6 +69,24 @@ class Framework:
         row, layout = self.split(name)
         return f"{row}@16" if layout else name
 
+    # the suite's command line and its docs table, for the suites' __main__ and the tests
+    def main(self, argv=None) -> int:
+        import tiny_model  # beside this file
+
+        return main(self, tiny_model, argv)
+
+    def doc_rows(self, path: Path | None = None) -> dict[str, str]:
+        return doc_rows(self, path or DOCS)
+
+    def write_docs(self, results: list[dict], path: Path | None = None) -> None:
+        write_docs(self, results, path or DOCS)
+
+    def markers(self) -> tuple[str, str]:
+        return markers(self)
+
+    def table_row(self, result: dict) -> str:
+        return table_row(result)
+
 
 def free_port() -> int:
     import socket
