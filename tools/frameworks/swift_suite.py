@@ -31,6 +31,8 @@ import fw_measure  # noqa: E402
 # row -> (swift subcommand arguments, dataset file)
 ROWS = {
     "sft": (["sft"], "sft.jsonl"),
+    "sft-dft": (["sft", "--enable_dft_loss", "true"], "sft.jsonl"),  # ms-swift's DFT loss (arXiv 2508.05629)
+    "sft-react": (["sft", "--loss_scale", "react"], "sft.jsonl"),  # the ReAct loss scale (weights per span)
     "dpo": (["rlhf", "--rlhf_type", "dpo"], "dpo.jsonl"),
     "dpo-rpo": (["rlhf", "--rlhf_type", "dpo", "--rpo_alpha", "1"], "dpo.jsonl"),
     "orpo": (["rlhf", "--rlhf_type", "orpo"], "dpo.jsonl"),
