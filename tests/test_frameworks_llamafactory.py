@@ -48,6 +48,7 @@ def test_llamafactory_sft_dpo_and_zero3_are_right_with_zerofix_and_asft_is_close
     said = [line for line in asft["zerofix_lines"] if "averages a term over its own micro-batch" in line]
     assert len(said) == 1 and "independent of num_items_in_batch" in said[0], asft["zerofix_lines"]
     assert "make that term a sum divided by the window's count" in said[0], said
+    assert "(the Trainer's own path gave 4x that)" in said[0], said  # as measured: upstream's ratio / zerofix's
     assert not [line for line in asft["zerofix_lines"] if "scales it as a micro-batch mean" in line and
                 line not in said], asft["zerofix_lines"]  # one WARNING says both
 

@@ -115,7 +115,7 @@ def test_a_micro_batch_token_mean_in_a_trainers_loss_is_said_once():
         # them (it scales the loss, which ignores its count, as a micro-batch mean), said in the same one WARNING
         assert "NllTrainer's loss is independent of num_items_in_batch and averages a term over its own micro-batch " \
                "(a cross-entropy token mean over" in said[0]
-        assert "the update averages micro-batch means (the Trainer's own path summed them)" in said[0]
+        assert "the update averages micro-batch means (the Trainer's own path gave 4x that)" in said[0]
         assert [level for level, msg in result["records"] if "independent of num_items_in_batch" in msg] == ["WARNING"]
     else:  # 2026-04: the Trainer's own path averages the micro-batch means, and runs unchanged
         assert "NllTrainer's loss averages a term over its own micro-batch (a cross-entropy token mean over" in said[0]

@@ -164,6 +164,20 @@ def test_a_rescaled_mean_is_warned_once_a_run_with_the_statement_that_stops_it(c
     assert loss.item() == 0.25
 
 
+def test_a_held_rescale_warning_is_said_when_the_windows_reading_stops_early(caplog):
+    """Issue 53: the rescale WARNING waits for the first window's means; where the reading stops before the window
+    ends (the next micro-batch's loss divides by its count), the held WARNING is said then, once."""
+    t, count = trainer(), torch.tensor(12)
+    with caplog.at_level(logging.WARNING, logger="zerofix"):
+        run_step(t, count)  # independent of the count: scaled as a micro-batch mean, its WARNING held
+        assert "is independent of num_items_in_batch" not in caplog.text
+        run_step(t, count, lambda n: torch.tensor(24.0) / n)  # divided: the reading stops
+        assert caplog.text.count("is independent of num_items_in_batch") == 1
+        run_step(t, count)
+    assert caplog.text.count("is independent of num_items_in_batch") == 1
+    assert "averages a term" not in caplog.text
+
+
 @pytest.mark.parametrize("layout, name", [
     ({"parallelism_config": types.SimpleNamespace(tp_size=2, cp_size=1, sp_size=1)}, "tensor parallel (tp_size=2)"),
     ({"parallelism_config": types.SimpleNamespace(tp_size=1, cp_size=2, sp_size=1, cp_backend="torch")},

@@ -118,7 +118,8 @@ class Known:
         self.counted = False  # the current window was counted only because zerofix hands the count (count_never_handed)
         self.env_statement = None  # ZEROFIX_LOSS_IS_SCALED_FOR_GA, read at every train()
         self.means = None  # the first window's micro_means records, while they are read (None: done or not reading)
-        self.rescale_said = None  # the rescale warning, held while the first window's means are read (one WARNING)
+        self.rescale_said = None  # (the rescale warning, upstream's factor), held while the first window's means are
+        # read: where they find a micro-batch mean term, one WARNING says both
 
 
 _known = WeakIdentityMap()  # trainer -> Known (by identity: a trainer need not hash)
@@ -599,7 +600,7 @@ def _warn_unknown(step: TrainerStep, verdict) -> None:
                "per window" if step.call is not None and not step.call.loss_is_mean else "a micro-batch mean")
 
 
-def _warn_rescaled(step: TrainerStep, call: scaling.Call) -> None:
+def _warn_rescaled(step: TrainerStep, call: scaling.Call, plan: scaling.Plan) -> None:
     """Once a run, where zerofix scales a loss as a micro-batch mean that nobody stated to be one: a user's
     compute_loss may have divided it already (the hand-fixed classifier), which no measurement can tell."""
     trainer, state = step.trainer, step.state
@@ -609,7 +610,7 @@ def _warn_rescaled(step: TrainerStep, call: scaling.Call) -> None:
     _note(state.details, "rescaled as a mean, unstated")
     said = f"zerofix scales it as a micro-batch mean (averaged over the window's {call.window} micro-batches)"
     if state.means is not None:  # the first window's means are being read: one WARNING at its end says both
-        state.rescale_said = said
+        state.rescale_said = (said, plan.divide_by / plan.multiply_by)  # upstream's update / zerofix's
         return
     _say_rescaled(trainer, said)
 
@@ -681,7 +682,7 @@ def backward(wrapped, accelerator, args, kwargs):
     if plan.changes:
         details["corrected"] += 1
         if "rescaled" not in step.state.warned:
-            _warn_rescaled(step, step.call)
+            _warn_rescaled(step, step.call, plan)
         if plan.multiply_by != 1:
             loss = loss * plan.multiply_by
         if plan.divide_by != 1:
@@ -727,10 +728,11 @@ def _read_micro_means(step: TrainerStep, verdict, loss) -> None:
                 "micro-batch means where one batch of the window's size takes one mean; zerofix cannot hand that term "
                 "a count, and that mean of means stays as upstream computes it")
         tail = ""
-    else:  # zerofix's scaling of a micro-batch mean: the mean of the micro-batch means, which upstream summed
+    else:  # zerofix's scaling of a micro-batch mean: the mean of the micro-batch means (upstream's: a multiple)
+        rescale, factor = rescaled
         said = (f"is independent of num_items_in_batch and averages a term over its own micro-batch ({term}): "
-                f"{rescaled}, so the update averages micro-batch means (the Trainer's own path summed them) where one "
-                "batch of the window's size takes one mean; zerofix cannot hand that term a count")
+                f"{rescale}, so the update averages micro-batch means (the Trainer's own path gave {factor:g}x that) "
+                "where one batch of the window's size takes one mean; zerofix cannot hand that term a count")
         tail = " " + _IF_ALREADY_DIVIDED
     details = _details_of(step.trainer)
     details["micro_batch_mean"] = said
@@ -745,7 +747,7 @@ def _stop_reading_means(step: TrainerStep) -> None:
     state = step.state
     held, state.means, state.rescale_said = state.rescale_said, None, None
     if held is not None:
-        _say_rescaled(step.trainer, held)
+        _say_rescaled(step.trainer, held[0])
 
 
 def _reading(accelerator, step: TrainerStep, verdict, loss) -> str | None:
