@@ -33,8 +33,9 @@ ROWS = {
     "sft": {"stage": "sft", "dataset": "sft"},
     "dft": {"stage": "sft", "dataset": "sft", "use_dft_loss": True},
     "asft": {"stage": "sft", "dataset": "sft", "use_asft_loss": True, "asft_alpha": 0.1},
-    # packed sequences of at most 48 tokens from the 16 samples: more than 8 of them, the first 8 train in both runs
-    "packing": {"stage": "sft", "dataset": "sft16", "packing": True, "cutoff_len": 48},
+    # the 16 samples (about 30 to 80 tokens each) packed into sequences of at most 96 tokens: 9 of them (measured), the
+    # first 8 train in both runs
+    "packing": {"stage": "sft", "dataset": "sft16", "packing": True, "cutoff_len": 96},
     "dpo": {"stage": "dpo", "dataset": "pairs", "pref_loss": "sigmoid", "pref_beta": 0.1},
     "dpo-ftx": {"stage": "dpo", "dataset": "pairs", "pref_loss": "sigmoid", "pref_beta": 0.1, "pref_ftx": 1.0},
     "orpo": {"stage": "dpo", "dataset": "pairs", "pref_loss": "orpo", "pref_beta": 0.1},
