@@ -77,3 +77,28 @@ def test_issue_51_rows_are_right_on_the_gpu(engine):
     for row in m.rows(1, engines=(engine,), dtypes=("bf16",), cells=m.ISSUE51_CELLS):
         assert "error" not in row, row
         assert row["verdict"] in ("fixed", "right (unchanged)"), row
+
+
+@pytest.mark.parametrize("case", ["z-loss-in-training", "head-dropout", "backbone-dropout"])
+def test_the_switch_proves_what_training_runs_on_cuda(case):
+    """Issue 58, item 1, on CUDA (the random state restored is the GPU's): a z-loss only in training and dropout before
+    the head keep the model's own loss, bitwise with the switch as without; dropout inside the backbone is routed,
+    within float32 rounding of the model's own loss and gradients, the same masks drawn."""
+    import test_trainer_chunked_loss_unit as unit
+
+    if case == "backbone-dropout":
+        model = unit.dropping_out_backbone()
+    else:
+        model = unit.training_only_model(unit.TrainingZLossLlama if case == "z-loss-in-training" else
+                                         unit.HeadDropoutLlama)
+    own, own_grads, switched, grads, details = unit.with_and_without_the_switch(model, unit.batch(), "cuda")
+    if case == "backbone-dropout":
+        assert details[0]["routed"], details
+        assert torch.allclose(switched, own, rtol=1e-5), (switched, own)
+        for name, grad in own_grads.items():
+            assert torch.allclose(grads[name], grad, rtol=1e-3, atol=1e-6), name
+        return
+    assert not details[0]["routed"], details
+    assert torch.equal(switched, own), (switched, own)
+    for name, grad in own_grads.items():
+        assert torch.equal(grads[name], grad), name

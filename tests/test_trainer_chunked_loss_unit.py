@@ -226,3 +226,108 @@ def test_the_proof_runs_on_a_window_of_a_long_sequence_with_counted_labels():
     assert int((window["labels"] != -100).sum()) == 100
     nothing = {"input_ids": ids[:1, :10], "labels": torch.full((1, 10), -100)}
     assert fix._probe(models.build_model("causal-lm"), nothing) is None
+
+
+# Issue 58, item 1: the proof runs what training runs. Each model below differs from the route only in training; the
+# switch keeps its own loss (bitwise, with the same random state as without the switch) and says why, or stands aside.
+
+class TrainingZLossLlama(transformers.LlamaForCausalLM):
+    """A z-loss added only in training (evaluation reports the plain cross-entropy)."""
+
+    def forward(self, *args, labels=None, **kwargs):
+        out = super().forward(*args, labels=labels, **kwargs)
+        if out.loss is not None and self.training:
+            out.loss = out.loss + 1e-2 * torch.logsumexp(out.logits.float(), dim=-1).pow(2).mean()
+        return out
+
+
+class HeadDropoutLlama(transformers.LlamaForCausalLM):
+    """Dropout on the last hidden state before the head, as some fine-tuning recipes add."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.head_dropout = torch.nn.Dropout(0.1)
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, num_items_in_batch=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+        logits = self.lm_head(self.head_dropout(hidden))
+        loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size,
+                                                              num_items_in_batch=num_items_in_batch)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def seeded_loss_and_grads(trainer, model, inputs, routed: bool):
+    torch.manual_seed(1234)  # the same random state with and without the switch: the same dropout masks
+    if torch.cuda.is_available() and next(model.parameters()).is_cuda:
+        torch.cuda.manual_seed_all(1234)
+    return loss_and_grads(trainer, model, inputs, routed)
+
+
+def with_and_without_the_switch(model, inputs, device="cpu"):
+    """The model's own training loss and gradients, then the switch's, from the same random state (on ``device``):
+    (own loss, own gradients, switched loss, switched gradients, what the switch said)."""
+    trainer = trainer_for(model)
+    model.to(device)  # (after the Trainer, which puts a use_cpu model on the CPU)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    own, own_grads = seeded_loss_and_grads(trainer, model, inputs, routed=False)
+    fix.reset_runtime()
+    fix._routes.pop(model, None)
+    switched, grads = seeded_loss_and_grads(trainer, model, inputs, routed=True)
+    return own, own_grads, switched, grads, fix.runtime_details()
+
+
+def training_only_model(kind):
+    return kind(models._llama_config())
+
+
+def dropping_out_backbone():
+    config = models._llama_config()
+    config.attention_dropout = 0.2
+    model = transformers.LlamaForCausalLM(config)
+    model.config._attn_implementation = "eager"  # sdpa's dropout draws its masks elsewhere: eager shows the draw
+    return model
+
+
+TRAINING_ONLY = [(TrainingZLossLlama, "an extra term such as a z-loss"), (HeadDropoutLlama, "differs from the route")]
+
+
+@pytest.mark.parametrize("kind, why", TRAINING_ONLY)
+def test_what_only_training_runs_keeps_the_models_own_loss(kind, why):
+    model = training_only_model(kind)
+    own, own_grads, switched, grads, details = with_and_without_the_switch(model, batch())
+    assert torch.equal(switched, own), (switched, own)  # its own loss, bitwise: the proof left the random state as is
+    for name, grad in own_grads.items():
+        assert torch.equal(grads[name], grad), name
+    assert len(details) == 1 and not details[0]["routed"] and why in details[0]["why"], details
+    model.eval()  # (what the proof ran before issue 58: in evaluation, nothing tells the route from the model's own)
+    with torch.no_grad():
+        inputs = batch()
+        assert fix._probe(model, {"input_ids": inputs["input_ids"], "labels": inputs["labels"]}).ok
+
+
+def test_a_model_whose_backbone_drops_out_is_routed_with_the_steps_own_masks():
+    """Dropout inside the backbone (attention dropout): both forwards of the proof draw the same masks, so the route is
+    proven; the routed step draws the masks the model's own step would have drawn (the proof restored the state)."""
+    own, own_grads, routed, grads, details = with_and_without_the_switch(dropping_out_backbone(), batch())
+    assert details[0]["routed"], details
+    assert torch.allclose(routed, own, rtol=1e-6), (routed, own)
+    for name, grad in own_grads.items():
+        assert torch.allclose(grads[name], grad, rtol=1e-4, atol=1e-7), name
+
+
+def test_a_hook_on_the_model_that_reads_its_logits_makes_the_switch_stand_aside(caplog):
+    import logging
+
+    model = models.build_model("causal-lm")
+    trainer = trainer_for(model)
+    read = []
+    model.register_forward_hook(lambda module, args, out: read.append(out.logits.detach().shape))
+    fix.reset_runtime()
+    model.train()
+    original = lambda *a, **k: transformers.Trainer.compute_loss(trainer, *a, **k)  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="zerofix"):
+        for _ in range(2):
+            fix.compute_loss(original, trainer, (model, dict(batch())), {})
+    assert len(read) == 2 and all(shape[-1] == model.config.vocab_size for shape in read)  # the logits, no crash
+    assert len([r for r in caplog.records if "stands aside" in r.getMessage()]) == 1, caplog.text
+    assert "forward hooks on LlamaForCausalLM" in caplog.text

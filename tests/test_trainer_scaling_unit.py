@@ -349,16 +349,21 @@ def test_each_run_has_its_own_account():
     assert fix.run_details(second.state)["backwards"] == 1 and fix.runtime_details()[-1]["backwards"] == 1
 
 
-def test_what_a_loss_says_of_accumulation_is_read_from_its_last_operation():
-    """Issue 51, item 3: ``loss / gas`` and ``loss * (1 / gas)`` (a Python number, or a one-element tensor without a
-    gradient); not another divisor, not a divisor that is itself trained, not an earlier operation."""
+def test_the_last_scalings_of_a_loss_are_read_from_its_graph():
+    """Issue 51, item 3 / issue 58, item 2: ``loss / gas`` and ``loss * (1 / gas)`` (a Python number, or a one-element
+    tensor without a gradient), and through the Trainer's ``loss *= num_processes``; not a divisor that is itself
+    trained, not past another operation."""
     x = torch.ones(3, requires_grad=True)
     loss = x.sum()
     for divided in (loss / 4, loss * 0.25, 0.25 * loss, loss / torch.tensor(4), loss.div(4.0), torch.tensor(0.25) * loss):
-        assert fix._last_divides_by(divided, 4), divided.grad_fn
+        assert fix._last_scalings(divided) == (0.25,), divided.grad_fn
+    multiplied = loss / 4
+    multiplied *= 2  # the Trainer's loss *= num_processes
+    assert fix._last_scalings(multiplied) == (2.0, 0.25)
+    assert fix._last_scalings(loss / 3 / 4) == (0.25, 1 / 3)
     w = torch.tensor(4.0, requires_grad=True)
-    for other in (loss / 3, loss / w, (loss / 4) + 1, loss, loss / 4 * 2):
-        assert not fix._last_divides_by(other, 4), other.grad_fn
+    assert fix._last_scalings(loss / w) == () and fix._last_scalings(loss) == ()
+    assert fix._last_scalings((loss / 4) + 1) == ()
 
 
 def test_the_environment_states_what_the_loss_is(monkeypatch):

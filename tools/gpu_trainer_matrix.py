@@ -33,7 +33,11 @@ ISSUE51_CELLS = ([{"name": r, "model": "causal-lm", "loss": r, "gas": 4, "lr": 5
                  + [{"name": "nokw-logged-count", "model": "nokw-llama", "loss": "logged-count", "gas": 4, "lr": 5.0,
                      "loss_modes": "batch-mean"},
                     {"name": "own-mean", "model": "own-mean-llama", "gas": 4, "lr": 5.0}])
-CELL_SETS = {"default": CELLS, "issue51": ISSUE51_CELLS}
+# Issue 58's rows (--cells issue58): a value equal to GAS is a coincidence: upstream's update, bitwise, right or not
+# (the mean / GAS through a compute_loss_func, a loss weight of GAS, four mean terms over 4); a double division, said
+ISSUE58_CELLS = [{"name": r, "model": "causal-lm", "loss": r, "gas": 4, "lr": 5.0}
+                 for r in ("func-steps-divided-mean", "func-weighted-sum", "four-term-mean", "func-steps-divided-sum")]
+CELL_SETS = {"default": CELLS, "issue51": ISSUE51_CELLS, "issue58": ISSUE58_CELLS}
 # relative error of the update against float64; fp32 is no GPU case of its own: it is what a CPU run of this table
 # can train (transformers refuses bf16/fp16 without a GPU), so tests/test_gpu_tier_cpu.py asserts the device check
 TOLERANCE = {"bf16": 0.03, "fp16": 0.01, "fp32": 1e-4}

@@ -44,6 +44,10 @@ class Fix(NamedTuple):
     # A switch, not a bug fix (transformers-trainer-chunked-loss): it changes how something is computed, only when
     # named; never counted among the installed releases' bugs.
     switch: bool = False
+    # What a run must itself do for the entry to act on it (a model returning a router auxiliary loss, TRL's own GRPO
+    # loss running): the Trainer's log then names the entry at the first step that did, never at the start of a run
+    # that does not (issue 58). Its implementation has acted_in(fix_id, trainer_state) -> str | None.
+    acts_when: str = ""
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -85,6 +89,7 @@ FIXES: tuple[Fix, ...] = (
         "router_aux_loss_coef x aux_loss (output_router_logits): the auxiliary term trains at GAS x, and x processes "
         "with average_tokens_across_devices; on 5.2.0-5.5.3 it is the cross-entropy that is off instead",
         covers="trainer: as transformers-trainer-scaling, whose step and plan it uses (paths.trainer_path)",
+        acts_when="the run's loss adds a router auxiliary loss",
     ),
     Fix(
         id="transformers-trainer-scaling",
@@ -410,6 +415,7 @@ FIXES: tuple[Fix, ...] = (
         where="loss_type dapo (the default), cispo or vespo with steps_per_generation (or generation_batch_size) "
         "different from gradient_accumulation_steps: every update is GAS/steps_per_generation times the "
         "window's token-mean",
+        acts_when="TRL's own GRPOTrainer._compute_loss runs (a framework's override replaces it)",
     ),
     # The experimental GSPO-token trainer copied _compute_loss (and its divisor) instead of calling it: its
     # own entry, applied when a script imports it.
@@ -427,6 +433,7 @@ FIXES: tuple[Fix, ...] = (
         fixed_in="1.9.2",
         where="trl.experimental.gspo_token.GRPOTrainer, loss_type dapo, steps_per_generation != "
         "gradient_accumulation_steps: as trl-grpo-window-normalisation",
+        acts_when="the experimental GSPO-token GRPOTrainer._compute_loss runs",
     ),
 )
 

@@ -110,12 +110,14 @@ def summary_lines(records, *, deepspeed: bool = True, trl: bool = True, path=Non
     applied = [r for r in records if r.state == "applied"]
     if not applied:
         return ["zerofix is active; no fix applies to the installed releases, so it changes nothing in this run"]
-    switches = _switch_ids()
-    # a switch (the chunked loss) decides per model at the first step: said then (switch_lines), not here
-    acting = [r for r in applied if acts_in(r, deepspeed=deepspeed, trl=trl) and r.id not in switches]
+    # a switch (the chunked loss) decides per model at the first step, and an entry that acts only where the run uses
+    # what it fixes (an MoE router loss, TRL's own GRPO loss) is named once a step did: said then (switch_lines,
+    # used_lines), never here
+    later = _switch_ids() | _used_ids()
+    acting = [r for r in applied if acts_in(r, deepspeed=deepspeed, trl=trl) and r.id not in later]
     aside = [r for r in acting if r.dist == "transformers"] if path is not None and not path.covered else []
     acting = [r for r in acting if r not in aside]
-    rest = [r for r in applied if r not in acting and r not in aside and r.id not in switches]
+    rest = [r for r in applied if r not in acting and r not in aside and r.id not in later]
     names = ", ".join(f"{r.id} ({r.dist} {r.installed})" for r in acting) or "none"
     where = "this run (through DeepSpeed)" if deepspeed else "this run (no DeepSpeed)"
     if path is not None and path.covered and path.name.startswith("FSDP"):
@@ -157,13 +159,15 @@ def verdict_lines(records, seen: set) -> list[str]:
             if "trainer" not in trainer or "steps_unknown" not in trainer:
                 continue
             name = trainer["trainer"]
+            statement = trainer.get("statement")  # the user's, which decides over the verdict
             said = {
                 "count_handed": lambda v: (f"zerofix: {record.id} on {name}: the count handed to {v}" if "stopped" in v
                                            else f"zerofix: {record.id} acts on {name} because the Trainer never "
                                            f"hands num_items_in_batch to {v}"),
                 "covered": lambda v: f"zerofix: {record.id} on {name}: {v}",
-                "route": lambda v: f"zerofix: {record.id} on {name}: the verdict is unknown ({v}); the Trainer's "
-                                   "own scaling runs unchanged",
+                "route": lambda v: f"zerofix: {record.id} on {name}: the verdict is unknown ({v}); "
+                                   + (f"the statement {statement} decides how it is scaled" if statement else
+                                      "the Trainer's own scaling runs unchanged"),
                 "scaled_for_ga": lambda v: f"zerofix: {record.id} on {name}: the loss {v}",
             }
             summary = (record.id, name, "summary")
@@ -171,6 +175,7 @@ def verdict_lines(records, seen: set) -> list[str]:
                 seen.add(summary)  # once per run, after its first step: the trainer and what zerofix did to its steps
                 changed = trainer.get("corrected", 0)
                 lines.append(f"zerofix: {record.id} on {name}: the loss is {trainer.get('loss', 'not measured')}; "
+                             + (f"as the statement {statement} says, " if statement else "")
                              + (f"zerofix changed {changed} of its first {trainer['backwards']} backwards" if changed
                                 else f"its first {trainer['backwards']} backwards ran as the Trainer runs them"))
             for key, line in said.items():
@@ -187,6 +192,35 @@ def _switch_ids() -> set:
     from zerofix import catalogue  # imports no ML library
 
     return {f.id for f in catalogue.FIXES if f.switch}
+
+
+def _used_ids() -> set:
+    from zerofix import catalogue  # imports no ML library
+
+    return {f.id for f in catalogue.FIXES if f.acts_when}
+
+
+def used_lines(records, state, seen: set) -> list[str]:
+    """An applied entry that acts only where a run uses what it fixes (``Fix.acts_when``), once it did in the run
+    whose TrainerState ``state`` is: what it did there, from its implementation's ``acted_in`` (issue 58, item 3)."""
+    import sys
+
+    from zerofix import catalogue
+
+    used, lines = {f.id: f for f in catalogue.FIXES if f.acts_when}, []
+    for record in records:
+        fix = used.get(record.id)
+        if record.state != "applied" or fix is None or record.id in seen:
+            continue
+        acted_in = getattr(sys.modules.get(fix.implementation), "acted_in", None)
+        try:
+            did = acted_in(record.id, state) if acted_in is not None else None
+        except Exception:  # noqa: BLE001 - a report must never stop a run
+            did = None
+        if did:
+            seen.add(record.id)
+            lines.append(f"zerofix: {record.id} acts on this run ({record.dist} {record.installed}): {did}")
+    return lines
 
 
 def switch_lines(records, seen: set) -> list[str]:
@@ -241,14 +275,15 @@ def _run_path(args, model):
 
 def own_run(records, state) -> list:
     """``records`` with transformers-trainer-scaling's runtime details narrowed to the run whose TrainerState
-    ``state`` is (issue 51, item 5: a notebook's second Trainer of a class does not repeat the first one's account)."""
+    ``state`` is (issue 51, item 5: a notebook's second Trainer of a class does not repeat the first one's account);
+    ``state`` None: with none of them (what every other entry's records hold)."""
     import sys
 
     module = sys.modules.get("zerofix.fixes.trainer_scaling")
     found = getattr(module, "run_details", None)
     if found is None:
         return records
-    mine = found(state)
+    mine = None if state is None else found(state)
     return [r._replace(runtime=() if mine is None else (mine,)) if r.id == module.FIX_ID else r for r in records]
 
 
@@ -267,16 +302,37 @@ def _build_class():
         ``zerofix.trainer_report``). Reads only; returns no control changes."""
 
         def __init__(self):
-            self._started = False
+            self._run = None  # the TrainerState of the run being reported (a new one at every train())
             self._stepped = False
             self._engines: set = set()
             self._warnings: set = set()
             self._verdicts: set = set()
             self._switches: set = set()
+            self._used: set = set()
+
+        def _begin(self, state) -> bool:
+            """A new run (issue 58, item 3: each run's log is its own): what earlier runs' engines, warnings and
+            switch decisions said is theirs, so it is marked seen, never repeated here. False for the run already
+            begun (ensure_on may call on_train_begin after the Trainer did)."""
+            if self._run is state:
+                return False
+            self._run, self._stepped, self._verdicts, self._used = state, False, set(), set()
+            self._engines, self._warnings, self._switches = set(), set(), set()
+            records = own_run(_records(), None)
+            engine_lines(records, self._engines)
+            warning_lines(records, self._warnings)
+            switch_lines(records, self._switches)
+            return True
+
+        def _lines(self, state, *, end: bool) -> list[str]:
+            records = _records()
+            mine = own_run(records, state)
+            return (engine_lines(records, self._engines) + verdict_lines(mine, self._verdicts)
+                    + used_lines(records, state, self._used) + switch_lines(records, self._switches)
+                    + (warning_lines(mine, self._warnings) if end else []))
 
         def on_train_begin(self, args, state, control, **kwargs):
-            if state.is_world_process_zero and not self._started:
-                self._started = True
+            if state.is_world_process_zero and self._begin(state):
                 import sys
 
                 deepspeed = bool(getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None))
@@ -288,18 +344,12 @@ def _build_class():
             # after the first optimizer step only: the engines exist and the DeepSpeed fix has decided
             if state.is_world_process_zero and not self._stepped:
                 self._stepped = True
-                records = _records()
-                for line in (engine_lines(records, self._engines)
-                             + verdict_lines(own_run(records, state), self._verdicts)
-                             + switch_lines(records, self._switches)):
+                for line in self._lines(state, end=False):
                     logger.warning(line)
 
         def on_train_end(self, args, state, control, **kwargs):
             if state.is_world_process_zero:
-                records = _records()
-                for line in (engine_lines(records, self._engines)
-                             + verdict_lines(own_run(records, state), self._verdicts)
-                             + switch_lines(records, self._switches) + warning_lines(records, self._warnings)):
+                for line in self._lines(state, end=True):
                     logger.warning(line)
 
     ZerofixCallback.__module__ = __name__

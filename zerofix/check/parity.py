@@ -11,7 +11,7 @@ LOSS_MODE = {"causal-lm": "token-mean", "custom": "batch-mean", "moe": "moe", "o
 # Trainer cells whose loss is computed by the Trainer's user, not the model (``loss`` of a cell): the
 # micro-batch mean of the causal LM's tokens, returned by a compute_loss override or a compute_loss_func.
 MEAN_LOSSES = ("subclass-mean", "func-mean", "plus-zero-mean", "times-positive", "plus-reg-mean", "zeros-like-mean",
-               "steps-divided-mean")
+               "steps-divided-mean", "func-steps-divided-mean", "four-term-mean")
 
 
 def loss_mode_of(model: str, loss: str = "model") -> str:
@@ -207,7 +207,8 @@ def compare_variants(out_dir: Path, records: list[dict], *, model: str, nproc: i
                             "engine": [r.get("engine") for r in ranks],
                             "device": [r.get("device") for r in ranks],
                             "step_skipped": [r.get("step_skipped") for r in ranks],
-                            "kept_types": [r.get("kept_types") for r in ranks]}
+                            "kept_types": [r.get("kept_types") for r in ranks],
+                            "warnings": [r.get("zerofix_warnings", []) for r in ranks]}
     return results
 
 

@@ -14,6 +14,9 @@ An implementation module implements one or more catalogue entries and provides:
     ``zerofix.applied.facts(fix_id)`` instead of module globals.
 ``runtime_details() -> list[dict]`` (optional)
     what an applied fix saw while running, one dict per object it manages, for ``zerofix.status()``.
+``acted_in(fix_id, trainer_state) -> str | None`` (required where the entry has ``acts_when``)
+    what the entry did in the Trainer run whose ``TrainerState`` this is, in words, or None where that run never
+    used what the entry fixes: the Trainer's log names it only then (``zerofix.trainer_report``).
 ``reset_runtime() -> None`` (optional)
     forget what ``runtime_details`` lists; called when the module's last applied entry is removed, so that an
     application starts with nothing seen (a process that trains many times, as ``zerofix check``'s sessions
@@ -65,7 +68,7 @@ def violations(module, fix_id: str | None = None) -> list[str]:
         out.append(f"{name} implements {', '.join(ids)}, not {fix_id}")
     if not callable(getattr(module, "structural_check", None)):
         out.append(f"{name} has no structural_check(fix_id, targets) -> Check")
-    for optional in ("runtime_details", "reset_runtime"):
+    for optional in ("runtime_details", "reset_runtime", "acted_in"):
         value = getattr(module, optional, None)
         if value is not None and not callable(value):
             out.append(f"{name}.{optional} is not callable")

@@ -123,12 +123,16 @@ def _loss(model, route: _Route, hidden, labels, num_items_in_batch):
 
 def _probe(model, batch, autocast=None) -> _Route:
     """Whether ``model``'s training loss on this batch is the chunked loss of its backbone's hidden states, decided
-    from behaviour (issue 52): on the batch's first sample (the whole batch where an input is not batch-major, an
-    image's patches), eval mode, the random state restored, the model's own forward *with the labels* against the
-    route, each with a count that is not the batch's token count and without one. Their hidden states, their losses
-    and the gradients the losses give the hidden states must agree (1e-4 relative in float32, 1e-2 in low
-    precision); otherwise the model keeps its own loss, and ``why`` says what differed."""
-    from zerofix import zero3
+    from behaviour (issue 52) on what training runs (issue 58): on the batch's first sample (the whole batch where an
+    input is not batch-major, an image's patches), in the model's own mode (training, in a step), the model's own
+    forward *with the labels* against the route, each with a count that is not the batch's token count and without
+    one. Every forward starts from one random state (dropout draws the same masks in both) and the model's buffers as
+    they were; both are restored afterwards, so the step itself draws what it would have drawn. A term or layer that
+    exists only in training (a z-loss under ``if self.training``, dropout before the head) is then part of the
+    comparison. Their hidden states, their losses and the gradients the losses give the hidden states must agree
+    (1e-4 relative in float32, 1e-2 in low precision); otherwise the model keeps its own loss, and ``why`` says what
+    differed."""
+    from zerofix import replay, zero3
 
     backbone, head = _backbone(model), model.get_output_embeddings()
     if backbone is None or not isinstance(head, torch.nn.Linear):
@@ -162,6 +166,7 @@ def _probe(model, batch, autocast=None) -> _Route:
         for with_count in (False, True):
             extra = {"num_items_in_batch": count} if with_count else {}
             captured = []
+            start.restore()  # the same random state and buffers for every forward of the proof
             hook = backbone.register_forward_hook(lambda m, a, out: _leaf_hidden(out, captured))
             try:
                 with torch.set_grad_enabled(with_count):
@@ -171,6 +176,7 @@ def _probe(model, batch, autocast=None) -> _Route:
             if getattr(own, "aux_loss", None) is not None:
                 seen["why"] = "its loss adds a router auxiliary loss (an MoE model: output_router_logits)"
                 return own
+            start.restore()
             with torch.set_grad_enabled(with_count):
                 hidden = _hidden_states(model, args, kwargs).detach().requires_grad_(with_count)
                 with zero3.gathered(head.weight, head.bias):
@@ -182,18 +188,16 @@ def _probe(model, batch, autocast=None) -> _Route:
         return own
 
     original, kept = type(model).forward.__get__(model), vars(model).get("forward")
-    was_training = model.training
-    model.eval()
+    start = replay.Point(model)
     model.forward = probe_forward
     try:
-        with torch.random.fork_rng(devices=[]):
-            model(**inputs)
+        model(**inputs)
     except Exception as exc:  # noqa: BLE001 - a family this proof cannot drive keeps its own loss
         return _Route(False, f"the route cannot reproduce its loss on this batch ({type(exc).__name__}: "
                       f"{str(exc)[:160]})")
     finally:
         _restore_forward(model, kept)
-        model.train(was_training)
+        start.restore()  # the step draws what it would have drawn without the proof
     return _Route(False, seen["why"]) if "why" in seen else route
 
 
@@ -379,12 +383,32 @@ def _aside_reason(trainer, model, target, inputs, args, kwargs) -> str:
     head = target.get_output_embeddings() if callable(getattr(target, "get_output_embeddings", None)) else None
     if isinstance(head, torch.nn.Module) and _user_hooks(head):
         return "hooks on the output head (the route never calls it, so they would not fire)"
+    hooked = next((m for m in _wrappers(model, target) if _user_hooks(m, pre=False)), None)
+    if hooked is not None:
+        return (f"forward hooks on {type(hooked).__name__} (the model's output, whose logits the route does not "
+                "build, reaches them)")
     return ""
 
 
-def _user_hooks(module) -> bool:
-    """Forward hooks on ``module`` that no engine set (DeepSpeed's ZeRO-3 and FSDP hook every module)."""
-    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+def _wrappers(model, target) -> list:
+    """The modules the Trainer's call passes through down to ``target`` (DDP's or DeepSpeed's ``module``, PEFT's
+    ``base_model`` and ``model``), ``target`` included: a hook on any of them sees the model's output."""
+    chain, module = [], model
+    for _ in range(8):
+        if not isinstance(module, torch.nn.Module) or any(m is module for m in chain):
+            break
+        chain.append(module)
+        if module is target:
+            return chain
+        module = next((getattr(module, name) for name in ("module", "base_model", "model")
+                       if isinstance(getattr(module, name, None), torch.nn.Module)), None)
+    return [*chain, target] if all(m is not target for m in chain) else chain
+
+
+def _user_hooks(module, pre: bool = True) -> bool:
+    """Forward hooks on ``module`` that no engine set (DeepSpeed's ZeRO-3 and FSDP hook every module); ``pre``: its
+    pre-hooks too (they see the inputs only, which the route passes on as they are)."""
+    hooks = [*module._forward_hooks.values(), *(module._forward_pre_hooks.values() if pre else ())]
     return any(not getattr(h, "__module__", "").startswith(("deepspeed", "torch.distributed", "accelerate"))
                for h in hooks)
 

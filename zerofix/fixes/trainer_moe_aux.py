@@ -42,11 +42,13 @@ from accelerate.utils import DistributedType  # imported by the fixes only, once
 
 from zerofix.fixes import trainer_scaling
 from zerofix.fixes.contract import Check, drifted, found
+from zerofix.identity import WeakIdentityMap
 
 FIX_ID = "transformers-moe-aux-loss"
 FIX_IDS = (FIX_ID,)
 _GRAPH_NODES = 256  # how far back from the loss the auxiliary loss is looked for (it sits a few nodes down)
 _details: dict = {}  # trainer class name -> {"backwards", "reweighted", "factor"}
+_runs = WeakIdentityMap()  # trainer.state of a run -> [backwards whose loss carries a router term, re-weighted]
 
 
 def structural_check(fix_id: str, targets) -> Check:
@@ -174,6 +176,7 @@ def backward(wrapped, accelerator, args, kwargs):
     details["backwards"] += 1
     if not _reaches(loss, aux):
         return wrapped(*args, **kwargs)
+    run = _run_of(step)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         downstream = int(step.trainer.args.gradient_accumulation_steps) if kwargs.get("scale_wrt_gas", True) else 1
     else:
@@ -182,10 +185,42 @@ def backward(wrapped, accelerator, args, kwargs):
     if extra == 0:
         return wrapped(*args, **kwargs)
     details["reweighted"] += 1
+    if run is not None:
+        run[1] += 1
     details["factor"] = str(extra)
     loss = loss + (coef * float(extra)) * aux.to(loss.device, loss.dtype)
     args, kwargs = ((loss, *args[1:]), kwargs) if args else ((), {**kwargs, "loss": loss})
     return wrapped(*args, **kwargs)
+
+
+def _run_of(step):
+    """This run's counts (a backward whose loss carries the router term is counted), or None where its state cannot
+    be kept beside it."""
+    state = getattr(step.trainer, "state", None)
+    try:
+        run = _runs.get(state)
+        if run is None:
+            run = _runs[state] = [0, 0]
+    except TypeError:  # not weak-referenceable: the run is not reported per run
+        return None
+    run[0] += 1
+    return run
+
+
+def acted_in(fix_id: str, trainer_state) -> str | None:
+    """What this entry did in the run whose ``trainer.state`` this is (the Trainer's log: trainer_report), or None
+    where its loss never carried a router auxiliary loss (a dense model)."""
+    try:
+        run = _runs.get(trainer_state)
+    except TypeError:
+        return None
+    if not run:
+        return None
+    backwards, reweighted = run
+    return (f"its loss adds a router auxiliary loss; zerofix re-weighted that term in {reweighted} of the "
+            f"{backwards} backwards so far" if reweighted else
+            f"its loss adds a router auxiliary loss, weighted right by this run's path in all {backwards} backwards "
+            "so far: left as it is")
 
 
 def runtime_details() -> list[dict]:

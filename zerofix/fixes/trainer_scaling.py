@@ -82,7 +82,7 @@ import torch
 
 from accelerate.utils import DistributedType  # imported by the fixes only, once accelerate is
 
-from zerofix import envvalues, micro_means, num_items_watch, paths, scaling, trainer_report, versions
+from zerofix import decision, envvalues, micro_means, num_items_watch, paths, replay, scaling, trainer_report, versions
 from zerofix.fixes.contract import Check, drifted, found
 from zerofix.identity import WeakIdentityMap
 
@@ -91,9 +91,6 @@ FIX_IDS = (FIX_ID,)
 _STEP = "_zerofix_trainer_step"  # in accelerator.__dict__ while a Trainer step runs
 _log = logging.getLogger("zerofix")
 _details: list[dict] = []  # runtime_details(), one per run of a trainer, in order (plain dicts: no reference to it)
-# What a loss says of accumulation by itself (issue 51, item 3), read where the verdict cannot tell:
-ALREADY_DIVIDED = "already divided"  # independent of the count, its last operation divides by the accumulation steps
-CARRIES_STEPS = "carries the steps"  # divided by the count with a factor of exactly the accumulation steps
 
 
 class Known:
@@ -101,7 +98,7 @@ class Known:
     depends on the model, the loss function or the arguments is read again at every ``train()`` (``run``)."""
 
     __slots__ = ("run", "path", "compiled", "verdict", "window", "stated", "statement", "details", "plans", "warned",
-                 "handing", "counted", "env_statement", "means", "rescale_said")
+                 "handing", "counted", "env_statement", "means", "rescale_said", "coincidence_said")
 
     def __init__(self):
         self.run = None  # trainer.state of the run the facts below were read in (a new one at every train())
@@ -120,6 +117,7 @@ class Known:
         self.means = None  # the first window's micro_means records, while they are read (None: done or not reading)
         self.rescale_said = None  # (the rescale warning, upstream's factor), held while the first window's means are
         # read: where they find a micro-batch mean term, one WARNING says both
+        self.coincidence_said = None  # the coincidence warning (zerofix.decision), held the same way
 
 
 _known = WeakIdentityMap()  # trainer -> Known (by identity: a trainer need not hash)
@@ -134,7 +132,7 @@ def known(trainer) -> Known:
 
 class TrainerStep:
     __slots__ = ("trainer", "state", "num_items", "watching", "base_ran", "handled", "aux", "accounted", "call",
-                 "plan", "handed", "reading", "redo")
+                 "plan", "handed", "redo")
 
     def __init__(self, trainer, num_items, watching, state=None):
         self.trainer, self.num_items, self.watching = trainer, num_items, watching
@@ -145,7 +143,6 @@ class TrainerStep:
         self.accounted = None  # tensor -> bool: an undivided term of the loss that entry weights (its router term)
         self.call = self.plan = None  # this step's scaling.Call and Plan, once backward has them
         self.handed = False  # zerofix had the Trainer hand the model the count (count_never_handed)
-        self.reading = None  # what the loss itself says of accumulation (ALREADY_DIVIDED, CARRIES_STEPS), or None
         self.redo = False  # a handed step whose loss is not divided by the count: run again as the Trainer runs it
 
 
@@ -208,7 +205,7 @@ def _new_run(trainer, state: Known, model) -> None:
         return
     state.run, state.stated, state.plans, state.warned = run, None, {}, set()
     state.details, state.counted, state.env_statement = None, False, envvalues.loss_statement()
-    state.means, state.rescale_said = [], None
+    state.means, state.rescale_said, state.coincidence_said = [], None, None
     state.path = paths.trainer_path(trainer)
     state.compiled = _compiled(trainer, model)
     trainer_report.ensure_on(trainer)  # a framework that replaced DEFAULT_CALLBACKS (ms-swift) still hears of zerofix
@@ -328,7 +325,7 @@ def training_step(wrapped, trainer, args, kwargs):
             num_items_watch.as_tensor_like_release(num_items)))
     step = accelerator.__dict__[_STEP] = TrainerStep(trainer, num_items, watching, state)
     step.handed = bool(state.handing) and num_items is not None
-    before = _Before(plain[0][0] if plain[0] else plain[1].get("model")) if step.handed else None
+    before = replay.Point(plain[0][0] if plain[0] else plain[1].get("model")) if step.handed else None
     try:
         with _Handing(trainer, step.handed):
             result = num_items_watch.unwatched(wrapped(*args, **kwargs))  # the Trainer's running loss stays plain
@@ -340,26 +337,6 @@ def training_step(wrapped, trainer, args, kwargs):
         return result
     before.restore()  # the step as the Trainer runs it, from where the handed one started
     return training_step(wrapped, trainer, *_with_num_items(*plain, None))
-
-
-class _Before:
-    """What a handed step's forward changes besides its loss, to run it again from the same point: the random states
-    (dropout draws the same masks) and the model's buffers (running statistics, counters)."""
-
-    def __init__(self, model):
-        self.cpu = torch.random.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() \
-            else None
-        buffers = model.buffers() if isinstance(model, torch.nn.Module) else ()
-        self.buffers = [(b, b.detach().clone()) for b in buffers]
-
-    def restore(self) -> None:
-        torch.random.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        with torch.no_grad():
-            for buffer, value in self.buffers:
-                buffer.copy_(value)
 
 
 def _compiled(trainer, model) -> bool:
@@ -464,54 +441,13 @@ def _facts(accelerator, step: TrainerStep) -> scaling.TrainerFacts:
         processes=int(accelerator.num_processes), gas=gas, window=int(state.window or gas))
 
 
-def describe(accelerator, step: TrainerStep, kwargs) -> scaling.Call:
-    trainer, state = step.trainer, step.state
-    facts = _facts(accelerator, step)
-    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-    return scaling.call_of(
-        release(), facts, verdict=_state_of(state.verdict), stated=_stated_once(trainer), statement=_statement(step),
-        base_ran=step.base_ran,
-        deepspeed=deepspeed, scale_wrt_gas=bool(kwargs.get("scale_wrt_gas", True)),
-        accelerate_steps=int(accelerator.gradient_accumulation_steps),
-        carried=facts.gas if step.reading == CARRIES_STEPS else 1)
-
-
 def _state_of(verdict) -> str | None:
     return None if verdict is None else verdict.state
-
-
-def _statement(step: TrainerStep) -> bool | None:
-    """The statement this step is scaled by: the user's; for a step zerofix handed the count whose loss is not divided
-    by it, "a micro-batch mean" (what the Trainer would have taken it for, had zerofix not handed the count)."""
-    state = step.state
-    if step.handed and _state_of(state.verdict) != num_items_watch.DIVIDED:
-        return False
-    statement = _user_statement(state)
-    if statement is None and step.reading == ALREADY_DIVIDED:
-        return True  # the loss's own last operation says it: per window
-    return statement
 
 
 def _user_statement(state: Known) -> bool | None:
     """zerofix.loss_is_scaled_for_ga(trainer, value), else ZEROFIX_LOSS_IS_SCALED_FOR_GA (read at every train())."""
     return state.statement if state.statement is not None else state.env_statement
-
-
-def _plan(accelerator, step: TrainerStep, kwargs) -> tuple[scaling.Call, scaling.Plan]:
-    """``describe(...)`` and its ``scaling.plan``, computed once per distinct set of facts of a trainer: the facts
-    change at a short window and when the verdict changes, not from step to step (a step then costs a few attribute
-    reads). On an unknown verdict nobody stated the answer to, the plan is upstream's: no change."""
-    trainer, state = step.trainer, step.state
-    key = (getattr(trainer, "model_accepts_loss_kwargs", None), getattr(trainer, "compute_loss_func", None) is None,
-           getattr(trainer, "loss_is_scaled_for_ga", None), step.num_items is None, step.base_ran,
-           state.window, _state_of(state.verdict), _statement(step), step.reading, kwargs.get("scale_wrt_gas", True),
-           accelerator.gradient_accumulation_steps, trainer.args.gradient_accumulation_steps)
-    if key not in state.plans:
-        call = describe(accelerator, step, kwargs)
-        acts = scaling.acts_on(_state_of(state.verdict), stated=_stated_once(trainer), statement=_statement(step),
-                               num_items=step.num_items is not None)
-        state.plans[key] = (call, scaling.plan(call) if acts else scaling.Plan())
-    return state.plans[key]
 
 
 _SAID = {num_items_watch.DIVIDED: "divided by num_items_in_batch",
@@ -524,10 +460,15 @@ def _record_verdict(step: TrainerStep, verdict) -> dict:
     trainer, state = step.trainer, step.state
     details = _details_of(trainer)
     details["stated"] = _stated_once(trainer)
+    statement = _user_statement(state)
+    if statement is not None:
+        details["statement"] = _statement_source(state) + (" (per accumulation window)" if statement
+                                                           else " (a micro-batch mean)")
     state.verdict = verdict
     if verdict is not None:
         details["steps_" + verdict.state] += 1
-        details["loss"] = _SAID[verdict.state]
+        details["loss"] = "unknown" if verdict.state == num_items_watch.UNKNOWN and statement is not None \
+            else _SAID[verdict.state]
         if verdict.route:
             details["route"] = verdict.route
     details["backwards"] += 1
@@ -610,7 +551,7 @@ def _warn_rescaled(step: TrainerStep, call: scaling.Call, plan: scaling.Plan) ->
     _note(state.details, "rescaled as a mean, unstated")
     said = f"zerofix scales it as a micro-batch mean (averaged over the window's {call.window} micro-batches)"
     if state.means is not None:  # the first window's means are being read: one WARNING at its end says both
-        state.rescale_said = (said, plan.divide_by / plan.multiply_by)  # upstream's update / zerofix's
+        state.rescale_said = (said, float(1 / decision.update_factor(call, plan)))  # upstream's update / zerofix's
         return
     _say_rescaled(trainer, said)
 
@@ -666,23 +607,25 @@ def backward(wrapped, accelerator, args, kwargs):
     verdict = _verdict(step, loss)
     loss = num_items_watch.unwatched(loss)  # the engine gets a plain tensor: bitwise the same value and graph
     details = _record_verdict(step, verdict)
-    if step.state.means is not None:
-        _read_micro_means(step, verdict, loss)
     if step.handed:
         _check_handed(step, verdict, details)
         if step.redo:  # no backward of a loss the handed count changed: training_step runs the micro-batch again
+            if step.state.means is not None:
+                _stop_reading_means(step)
             return None
-    step.reading = _reading(accelerator, step, verdict, loss)
-    step.call, plan = _plan(accelerator, step, kwargs)
-    if step.reading is not None:
-        _say_reading(step, plan)
-    step.plan = plan
+    decided = _decide(accelerator, step, verdict, loss, kwargs)
+    step.call, step.plan = decided.call, decided.plan
+    plan = decided.plan
+    if decided.coincidence is not None:
+        _say_coincidence(step, decided)
     if verdict is not None and verdict.state == num_items_watch.UNKNOWN:
         _warn_unknown(step, verdict)
+    if plan.changes and "rescaled" not in step.state.warned:
+        _warn_rescaled(step, step.call, plan)
+    if step.state.means is not None:  # after the plan: what the reading says depends on what this run does
+        _read_micro_means(step, verdict, loss)
     if plan.changes:
         details["corrected"] += 1
-        if "rescaled" not in step.state.warned:
-            _warn_rescaled(step, step.call, plan)
         if plan.multiply_by != 1:
             loss = loss * plan.multiply_by
         if plan.divide_by != 1:
@@ -719,14 +662,26 @@ def _read_micro_means(step: TrainerStep, verdict, loss) -> None:
     if not changed:
         _stop_reading_means(step)
         return
-    rescaled, state.means, state.rescale_said = state.rescale_said, None, None
+    rescaled, coincided = state.rescale_said, state.coincidence_said
+    state.means = state.rescale_said = state.coincidence_said = None
     kind, counts = changed[0]
     term = (f"a {kind} over {', '.join(map(str, counts))} elements in the first window's {len(counts)} "
             "micro-batches")
-    if rescaled is None:  # upstream's own scaling: a mean of the micro-batch means
+    plan = step.plan if step.plan is not None else scaling.Plan()
+    if rescaled is None and not plan.changes:  # upstream's own scaling: a mean of the micro-batch means
         said = (f"averages a term over its own micro-batch ({term}), so with gradient accumulation the update averages "
                 "micro-batch means where one batch of the window's size takes one mean; zerofix cannot hand that term "
                 "a count, and that mean of means stays as upstream computes it")
+        if coincided is not None:  # one WARNING for both (the coincidence's own words first)
+            said = f"{coincided}. It also {said}"
+        tail = ""
+    elif rescaled is None:  # a statement (or the Trainer's own attributes) made zerofix change this run's scaling
+        factor = float(1 / decision.update_factor(step.call, plan))
+        said = (f"averages a term over its own micro-batch ({term}); {_statement_source(state)} says what it is, so "
+                f"zerofix scales it "
+                f"as {'a micro-batch mean' if step.call.loss_is_mean else 'per accumulation window'} and the update "
+                f"averages micro-batch means (the Trainer's own path gave {factor:g}x that) where one batch of the "
+                "window's size takes one mean; zerofix cannot hand that term a count")
         tail = ""
     else:  # zerofix's scaling of a micro-batch mean: the mean of the micro-batch means (upstream's: a multiple)
         rescale, factor = rescaled
@@ -742,83 +697,108 @@ def _read_micro_means(step: TrainerStep, verdict, loss) -> None:
                "same total batch.%s", type(step.trainer).__name__, said, tail)
 
 
+def _statement_source(state: Known) -> str:
+    """Who said what the loss is, in words: the user's statement (the API or the environment), else the trainer's."""
+    if state.statement is not None:
+        return f"zerofix.loss_is_scaled_for_ga(trainer, {state.statement})"
+    if state.env_statement is not None:
+        return f"{decision.STATEMENT}={int(state.env_statement)}"
+    return "the trainer's own attributes (loss_is_scaled_for_ga, model_accepts_loss_kwargs)"
+
+
 def _stop_reading_means(step: TrainerStep) -> None:
     """The first window's reading ends without a micro-batch mean to say: a rescale warning held for it is said now."""
     state = step.state
-    held, state.means, state.rescale_said = state.rescale_said, None, None
+    held, coincided = state.rescale_said, state.coincidence_said
+    state.means = state.rescale_said = state.coincidence_said = None
     if held is not None:
         _say_rescaled(step.trainer, held[0])
+    if coincided is not None:
+        _warn_main(step.trainer, "zerofix: %s's loss %s", type(step.trainer).__name__, coincided)
 
 
-def _reading(accelerator, step: TrainerStep, verdict, loss) -> str | None:
-    """What the loss says of accumulation by itself, where nobody stated it (issue 51, item 3; issue 53: ms-swift's RLHF
-    trainers divide their loss by the accumulation steps themselves):
+def _last_scalings(loss, depth: int = 2) -> tuple:
+    """The constants the last ``depth`` operations of ``loss`` multiply it by, the last one first (``loss / 4`` is
+    ``0.25``, ``loss * 2`` is ``2.0``): a Python number or a one-element tensor with no gradient, which is what
+    ``loss / gas`` and the Trainer's ``loss *= num_processes`` save. The reading stops at any other operation.
+    ``zerofix.decision`` reads a division by exactly the accumulation steps from them (a coincidence, issue 58)."""
+    found, node = [], getattr(loss, "grad_fn", None)
+    while node is not None and len(found) < depth:
+        kind = type(node).__name__
+        if kind.startswith("DivBackward"):
+            value, invert = _constant(getattr(node, "_saved_other", None)), True
+        elif kind.startswith("MulBackward"):
+            value = _constant(getattr(node, "_saved_other", None))
+            if value is None:
+                value = _constant(getattr(node, "_saved_self", None))
+            invert = False
+        else:
+            break
+        if value is None or (invert and value == 0):
+            break
+        found.append(1.0 / value if invert else value)
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        node = inputs[0] if len(inputs) == 1 else None  # a constant operand has no node: one input left
+    return tuple(found)
 
-    - ALREADY_DIVIDED: a loss independent of the count whose last operation divides it by exactly
-      ``gradient_accumulation_steps`` (or multiplies it by the inverse), where the Trainer does not divide it itself
-      (the Trainer's own division is then the last operation, and would read the same). Read as the statement "per
-      window", which the user would otherwise have to make; a micro-batch mean would need that very division.
-    - CARRIES_STEPS: a loss divided by the count and multiplied by exactly the accumulation steps (``s / n * GAS``, or the
-      count divided by them handed to the model): a hand fix of transformers 5.2 - 5.5.3's second division. The path
-      then divides it exactly once by the steps: nothing changes where a second division follows (5.3), one division
-      is added where none does.
-    Both are read from the loss (its autograd graph's last node and saved constant, the watch's factor), never from the
-    trainer's class; a statement wins over both."""
+
+def _constant(value):
+    """A Python number, or the value of a one-element tensor without a gradient; None otherwise."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.requires_grad:
+            return None
+        value = value.item()
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _decide(accelerator, step: TrainerStep, verdict, loss, kwargs) -> decision.Decision:
+    """This backward's ``zerofix.decision.Decision``, computed once per distinct set of facts of a trainer: the facts
+    change at a short window and when the verdict changes, not from step to step (a step then costs a few attribute
+    reads and the loss's last two graph nodes)."""
     trainer, state = step.trainer, step.state
-    if verdict is None or _user_statement(state) is not None or _stated_once(trainer):
-        return None
-    gas = int(trainer.args.gradient_accumulation_steps)
-    if gas <= 1:
-        return None
-    if verdict.state == num_items_watch.DIVIDED and verdict.factor == gas:
-        return CARRIES_STEPS
-    window = int(state.window or gas)  # ms-swift's SFT trainer divides by the current window's length
-    if verdict.state != num_items_watch.INDEPENDENT or not _last_divides_by(loss, gas, window):
-        return None
-    return ALREADY_DIVIDED if scaling.trainer_division(release(), _facts(accelerator, step)) == 1 else None
+    stated = _stated_once(trainer)
+    statement = _user_statement(state)
+    evidence = decision.Evidence(
+        verdict=_state_of(verdict), stated=stated, statement=statement,
+        factor=verdict.factor if verdict is not None and verdict.state == num_items_watch.DIVIDED else None,
+        scalings=() if stated or statement is not None else _last_scalings(loss), handed=step.handed)
+    key = (getattr(trainer, "model_accepts_loss_kwargs", None), getattr(trainer, "compute_loss_func", None) is None,
+           getattr(trainer, "loss_is_scaled_for_ga", None), step.num_items is None, step.base_ran, state.window,
+           evidence, kwargs.get("scale_wrt_gas", True), accelerator.gradient_accumulation_steps,
+           trainer.args.gradient_accumulation_steps)
+    if key not in state.plans:
+        engine = decision.Engine(base_ran=step.base_ran,
+                                 deepspeed=accelerator.distributed_type == DistributedType.DEEPSPEED,
+                                 scale_wrt_gas=bool(kwargs.get("scale_wrt_gas", True)),
+                                 accelerate_steps=int(accelerator.gradient_accumulation_steps))
+        state.plans[key] = decision.decide(release(), _facts(accelerator, step), evidence, engine)
+    return state.plans[key]
 
 
-def _last_divides_by(loss, *divisors: int) -> bool:
-    """Whether ``loss``'s last operation divides it by one of ``divisors`` or multiplies it by its inverse (a Python
-    number or a one-element tensor with no gradient: what ``loss / gas`` saves)."""
-    node = getattr(loss, "grad_fn", None)
-    kind = type(node).__name__
-    if kind.startswith("DivBackward"):
-        wanted, constants = [float(d) for d in divisors], (getattr(node, "_saved_other", None),)
-    elif kind.startswith("MulBackward"):
-        wanted = [1.0 / d for d in divisors]
-        constants = (getattr(node, "_saved_other", None), getattr(node, "_saved_self", None))
-    else:
-        return False
-    for value in constants:
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1 or value.requires_grad:
-                continue
-            value = value.item()
-        if isinstance(value, (int, float)) and any(abs(value - w) <= 1e-6 * w for w in wanted):
-            return True
-    return False
-
-
-_READ = {ALREADY_DIVIDED: "is independent of num_items_in_batch and its last operation divides it by "
-                          "gradient_accumulation_steps ({gas}): read as already per accumulation window",
-         CARRIES_STEPS: "is divided by num_items_in_batch and multiplied by gradient_accumulation_steps ({gas}), a hand "
-                        "fix of a second division by the accumulation steps: read as one window's loss times {gas}"}
-
-
-def _say_reading(step: TrainerStep, plan: scaling.Plan) -> None:
-    """Once a run: what the loss's own reading made zerofix do (the runtime details and the Trainer log say it too)."""
+def _say_coincidence(step: TrainerStep, decided: decision.Decision) -> None:
+    """Once a run: a loss that shows a value equal to the accumulation steps (``zerofix.decision``). Said at WARNING
+    where reading it as the user's word would have changed the plan (zerofix follows upstream), and for a division by
+    both the count and the steps; otherwise only recorded (the runtime details)."""
     state = step.state
-    if "reading" in state.warned:
+    if "coincidence" in state.warned:
         return
-    state.warned.add("reading")
+    state.warned.add("coincidence")
     gas = int(step.trainer.args.gradient_accumulation_steps)
-    did = ("zerofix changes the path so it divides exactly as that needs" if plan.changes
-           else "the Trainer's own path already scales it right, and runs unchanged")
-    said = f"{_READ[step.reading].format(gas=gas)}; {did}"
-    _details_of(step.trainer)["scaled_for_ga"] = said
-    _warn_main(step.trainer, "zerofix: %s's loss %s (a statement wins: zerofix.loss_is_scaled_for_ga(trainer, value) "
-               "or ZEROFIX_LOSS_IS_SCALED_FOR_GA=1/0)", type(step.trainer).__name__, said)
+    details = _details_of(step.trainer)
+    read = decision.reading(decided.coincidence, gas)
+    if not decided.held and decided.coincidence != decision.DIVIDED_BY_STEPS:
+        details["scaled_for_ga"] = f"{read}; read as the user's word or not, zerofix's plan is the same"
+        return  # nothing to decide
+    details["scaled_for_ga"] = (f"{read}; the count already covers the window (the warning above says more)"
+                                if decided.coincidence == decision.DIVIDED_BY_STEPS else
+                                f"{read}: a coincidence, not a statement, so the update is the Trainer's own (the "
+                                "warning above names the statement that decides)")
+    _note(details, "coincidence: " + ("upstream followed" if decided.held else "said"))
+    said = decision.coincidence_message(decided, gas)
+    if state.means is not None:  # the first window's means are being read: one WARNING at its end says both
+        state.coincidence_said = said
+        return
+    _warn_main(step.trainer, "zerofix: %s's loss %s", type(step.trainer).__name__, said)
 
 
 # accelerator -> its trainer, while the trainer's loop fetches windows (get_batch_samples): a backward of that

@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 
 from zerofix.fixes.contract import Check, drifted, found
+from zerofix.identity import WeakIdentityMap
 
 FIX_ID = "trl-grpo-window-normalisation"
 GSPO_TOKEN_FIX_ID = "trl-gspo-token-window-normalisation"
@@ -54,12 +55,48 @@ def structural_check(fix_id: str, targets) -> Check:
     return found()
 
 
+_runs = WeakIdentityMap()  # trainer.state of a run -> {fix id: [training calls, rescaled]}
+
+
 def compute_loss(wrapped, instance, args, kwargs):
     loss = wrapped(*args, **kwargs)
     if getattr(instance, "loss_type", None) not in WINDOW_LOSSES or not instance.model.training:
         return loss
     generation = instance.args.steps_per_generation
     window = instance.current_gradient_accumulation_steps
+    counts = _counts(instance, wrapped)
+    if counts is not None:
+        counts[0] += 1
     if generation == window:
         return loss  # upstream is right here: its own tensor, untouched
+    if counts is not None:
+        counts[1] += 1
     return loss * (generation / window)
+
+
+def _counts(trainer, wrapped):
+    """This run's counts for the entry whose _compute_loss ran (TRL's own or the GSPO-token copy), or None."""
+    fix_id = GSPO_TOKEN_FIX_ID if ".gspo_token." in f"{getattr(wrapped, '__module__', '')}." else FIX_ID
+    try:
+        runs = _runs.get(trainer.state)
+        if runs is None:
+            runs = _runs[trainer.state] = {}
+    except TypeError:  # a state that cannot be kept beside: not reported per run
+        return None
+    return runs.setdefault(fix_id, [0, 0])
+
+
+def acted_in(fix_id: str, trainer_state) -> str | None:
+    """What this entry did in the run whose ``trainer.state`` this is (the Trainer's log), or None where TRL's own
+    ``_compute_loss`` never ran with a window-normalised loss type there (a framework's override, another loss)."""
+    try:
+        counts = (_runs.get(trainer_state) or {}).get(fix_id)
+    except TypeError:
+        return None
+    if not counts:
+        return None
+    calls, rescaled = counts
+    return (f"TRL's own _compute_loss ran; zerofix rescaled {rescaled} of its first {calls} training losses "
+            "(steps_per_generation differs from the window)" if rescaled else
+            f"TRL's own _compute_loss ran {calls} times with steps_per_generation equal to the window: upstream's "
+            "tensors, untouched")

@@ -43,8 +43,14 @@ COUNT_ROWS = DIVISOR_ROUTES + ("deepcopy-model", "plus-zero", "plus-zero-mean", 
 IDIOM_ROWS = ("sum-from-zero", "python-sum", "new-zeros-sum", "plus-eps", "maximum-one", "where-positive",
               "nan-to-num")
 STATED_ROWS = ("zeros-like-mean", "steps-divided-mean", "times-steps", "count-over-steps", "plus-z-loss")
+# Issue 58's coincidences, a value equal to GAS that is not a statement: through a compute_loss_func (the Trainer
+# multiplies its loss by the processes afterwards) the token mean / GAS (ms-swift's RLHF form), 4.0 * (s / n) (a loss
+# weight), s / n / GAS (a double division); a compute_loss override returning the average of four micro-batch-mean
+# terms, (a + b + c + d) / 4 (at GAS 4); and the model's own loss divided by GAS (a double division).
+COINCIDENCE_ROWS = ("func-steps-divided-mean", "func-weighted-sum", "func-steps-divided-sum", "four-term-mean",
+                    "count-and-steps-divided")
 USER_LOSSES = (("logged-count", "deepcopy-count", "hand-divided", "hand-divided-stated", "late-count") + COUNT_ROWS
-               + IDIOM_ROWS + STATED_ROWS)
+               + IDIOM_ROWS + STATED_ROWS + COINCIDENCE_ROWS)
 
 
 def idiom_loss(idiom: str, token_losses, count):
@@ -321,6 +327,16 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
                 return loss
             if args.loss == "times-steps":
                 return super().compute_loss(model, inputs, *a, **k) * self.args.gradient_accumulation_steps
+            if args.loss == "count-and-steps-divided":
+                return super().compute_loss(model, inputs, *a, **k) / self.args.gradient_accumulation_steps
+            if args.loss == "four-term-mean":  # four terms, each the micro-batch's token mean, computed four ways
+                labels = inputs.pop("labels")
+                logits = model(**inputs).logits
+                terms = [models.next_token_ce(logits, labels, "mean"),
+                         models.next_token_ce(logits, labels, "sum") / (labels[..., 1:] != -100).sum(),
+                         models.next_token_ce(logits.double(), labels, "mean").float(),
+                         models.next_token_ce(logits, labels, "mean").clone()]
+                return (terms[0] + terms[1] + terms[2] + terms[3]) / 4
             if args.loss == "count-over-steps":
                 steps = self.args.gradient_accumulation_steps
                 return super().compute_loss(model, inputs, num_items_in_batch=count / steps)
@@ -363,6 +379,16 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
     def mean_loss_func(outputs, labels, num_items_in_batch=None):
         """A compute_loss_func that ignores num_items_in_batch: the micro-batch's token mean."""
         return models.next_token_ce(outputs.logits, labels, "mean")
+
+    def coincidence_loss_func(outputs, labels, num_items_in_batch=None):
+        """Issue 58's compute_loss_func rows: a value equal to gradient_accumulation_steps in the loss."""
+        steps = training_args.gradient_accumulation_steps
+        if args.loss == "func-steps-divided-mean":
+            return models.next_token_ce(outputs.logits, labels, "mean") / steps
+        total = models.next_token_ce(outputs.logits, labels, "sum")
+        if args.loss == "func-weighted-sum":
+            return float(steps) * (total / num_items_in_batch)
+        return total / num_items_in_batch / steps
 
     training_args = TrainingArguments(
         output_dir=str(out / f"trainer-{variant}"), per_device_train_batch_size=args.bs,
@@ -416,6 +442,8 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
 
     grad_norms = []  # DeepSpeed's global gradient norm after each optimizer step
     extra = {"compute_loss_func": mean_loss_func} if args.loss == "func-mean" else {}
+    if args.loss.startswith("func-") and args.loss in COINCIDENCE_ROWS:
+        extra = {"compute_loss_func": coincidence_loss_func}
     if args.loss == "compiled-func":
         # backend="eager": the entry hands any compiled loss function the plain count whatever the backend (Inductor
         # would add a C++ build of tens of seconds per run)
@@ -428,7 +456,8 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
                                data_collator=models.stack, callbacks=[Snapshots()], **extra)
     if args.loss == "hand-divided-stated":
         zerofix.loss_is_scaled_for_ga(trainer)
-    trainer.train()
+    with _zerofix_warnings() as said:  # what zerofix logged at WARNING in this cell's run (its own log only)
+        trainer.train()
     weights = final_weights(model, args.zero_stage, fsdp_wrapped())
     if rank == 0:
         torch.save(weights, vdir / "final.pt")
@@ -444,8 +473,32 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         "step_skipped": bool(getattr(trainer.accelerator, "optimizer_step_was_skipped", False)),
         # what the trainer kept from its steps (the kept-count row): each one's class after the run
         "kept_types": {k: type(v).__name__ for k, v in getattr(trainer, "zerofix_kept", {}).items()},
+        "zerofix_warnings": said,
     }
     (vdir / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+@contextlib.contextmanager
+def _zerofix_warnings():
+    """The messages zerofix's logger and the Trainer log's zerofix lines (transformers.zerofix) give at WARNING while
+    the block runs."""
+    import logging
+
+    said = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    handler = Capture(logging.WARNING)
+    loggers = [logging.getLogger("zerofix"), logging.getLogger("transformers.zerofix")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield said
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
 
 
 def run(argv=None):
