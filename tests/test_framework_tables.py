@@ -25,13 +25,13 @@ def test_rows_are_written_between_the_markers_merged_and_ordered(tmp_path):
     page.write_text(f"# before\n\n{begin}\n{end}\n\nafter\n")
     tool.write_docs([result("dpo@ddp"), result("sft", lines=["zerofix: X's loss averages a term over its own "
                                                                "micro-batch (...)"])], page)
-    tool.write_docs([result("dpo", rel=0.2, lines=["... read as already per accumulation window ..."])], page)
+    tool.write_docs([result("dpo", rel=0.2, lines=["... a coincidence, not a statement ..."])], page)
     text = page.read_text()
     assert text.startswith("# before\n") and text.endswith("\nafter\n")
     rows = tool.doc_rows(page)
     assert list(rows) == ["sft", "dpo", "dpo@ddp"]  # one process first, in ROWS order, then the layouts
     assert rows["sft"] == "| `sft` | 1.0000 / 1.0000 right | 1.0000 / 1.0000 right | WARNING: a micro-batch mean term |"
-    assert rows["dpo"].endswith("wrong | 1.0000 / 1.0000 wrong | loss read as per window |")
+    assert rows["dpo"].endswith("wrong | 1.0000 / 1.0000 wrong | GAS read as a coincidence: upstream's update |")
     assert tool.table_row(result("kto")) == "| `kto` | 1.0000 / 1.0000 | 1.0000 / 1.0000 | - |"  # not judged
 
 

@@ -39,7 +39,7 @@ def test_ms_swift_sft_and_dpo_are_right_with_zerofix_and_say_so(tmp_path, capsys
         assert tool.doc_rows().get(row) == tool.table_row(results[row]), (tool.doc_rows().get(row), results[row])
     dpo_lines = "\n".join(results["dpo"]["zerofix_lines"])
     assert "on DPOTrainer: the loss is independent of num_items_in_batch and its last operation divides it by " \
-           "gradient_accumulation_steps (4): read as already per accumulation window" in dpo_lines, dpo_lines
+           "gradient_accumulation_steps (4): a coincidence, not a statement" in dpo_lines, dpo_lines
 
 
 def test_trls_own_kto_trainer_trains_with_zerofix_as_without(tmp_path):

@@ -135,6 +135,8 @@ def contract_breaches(fix: catalogue.Fix) -> list[str]:
         module, function = contract.split_wrapper(target.wrapper)
         if function not in declared(implementation_source(module))[0]:
             out.append(f"{target.wrapper} is not defined")
+    if fix.acts_when and "acted_in" not in functions:  # the Trainer's log names it only where it acted (issue 58)
+        out.append(f"{fix.implementation} has no acted_in for {fix.id}, which acts only when used")
     return out
 
 

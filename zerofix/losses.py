@@ -319,6 +319,17 @@ _BLOCK_FLOOR = 16 * 2**20  # a small micro-batch still takes blocks this large (
 # Elsewhere _CHUNK_BYTES. ``meta``: benchmarks/bench_ce_bytes.py accounts a GPU's step on meta tensors, sized as CUDA's.
 _BLOCK_CAP = {"cuda": 1024 * 2**20, "meta": 1024 * 2**20}
 _SUB_SPLIT = 4
+# Rows per chunk and vocabulary entries per block are rounded down to a multiple of this (where larger): a block's
+# logits have the block's width as their leading dimension, and cuBLAS runs a GEMM whose leading dimension is not a
+# multiple of 8 on a slow fallback kernel (measured on an H200: 2457-entry blocks took 241 ms at 8192 x 4096 x 128256,
+# 4.5x Liger-Kernel's time, sm75 CUTLASS kernels 70% of it; docs/measured/gpu-h200-2026-11-28-issue58)
+_ALIGN = 64
+
+
+def _aligned(size: int) -> int:
+    """``size`` rounded down to a multiple of _ALIGN, or of 8 below it (a GEMM's leading dimension)."""
+    step = _ALIGN if size >= _ALIGN else 8
+    return size // step * step if size >= step else size
 
 
 def block_sizes(n: int, hidden_size: int, vocab_size: int, itemsize: int, device_type: str = "cpu",
@@ -331,6 +342,7 @@ def block_sizes(n: int, hidden_size: int, vocab_size: int, itemsize: int, device
     (N x H x itemsize) and at least 16 MiB, so a step's peak grows by the two gradients and less than one
     hidden-sized block: Liger-Kernel's Triton kernel keeps one low-precision logits chunk of about the hidden's size
     (``next_pow2(N / ceil(V / H))`` rows). ``chunk_size``: the caller's rows per chunk, and the same bytes per block.
+    Both are rounded down to a multiple of 64 (8 below it: ``_aligned``), which GEMMs on a GPU need to run fast.
     """
     per_element = itemsize + 4.0 * float32_blocks / _SUB_SPLIT
     if chunk_size is not None:
@@ -339,8 +351,8 @@ def block_sizes(n: int, hidden_size: int, vocab_size: int, itemsize: int, device
         cap = _BLOCK_CAP.get(device_type, _CHUNK_BYTES)
         budget = min(cap, max(_BLOCK_FLOOR, _BLOCK_SHARE * n * hidden_size * itemsize))
     n = max(1, n)
-    rows = max(1, min(n, int(budget // (vocab_size * per_element))))
-    cols = max(1, min(vocab_size, int(budget // (n * per_element))))
+    rows = max(1, min(n, _aligned(int(budget // (vocab_size * per_element)))))
+    cols = max(1, min(vocab_size, _aligned(int(budget // (n * per_element)))))
     return rows, -(-rows // _SUB_SPLIT), cols, -(-n // _SUB_SPLIT)
 
 
