@@ -125,3 +125,13 @@ def test_the_warning_names_both_readings_and_the_statement(found, version):
     assert "coincidence" in said and "the update is the Trainer's own" in said and decision.STATEMENT in said
     as_read = decision.update_factor(decided.call, decided.as_read)
     assert ("stays this one" if as_read == 1 else f"becomes {float(as_read):g}x this one") in said
+
+
+def test_a_loss_defined_over_the_local_batch_is_said_never_changed():
+    """Issue 60, item 3: TRL's GRPO ``bnpo`` normalises each micro-batch by its own tokens by definition: said where
+    accumulation or processes make that a mean of micro-batch means, nowhere else; ``dapo`` is not such a loss."""
+    said = decision.local_batch_message("bnpo", 4, 1)
+    assert "averages 4 micro-batch token means" in said and "loss_type='dapo'" in said and "leaves it" in said
+    assert "averages 4 micro-batch" in decision.local_batch_message("bnpo", 2, 2)
+    assert decision.local_batch_message("bnpo", 1, 1) is None and decision.local_batch_message("dapo", 4, 2) is None
+    assert decision.local_batch_message(None, 4, 1) is None

@@ -36,7 +36,8 @@ def test_llamafactory_sft_dpo_and_zero3_are_right_with_zerofix_and_asft_is_close
         assert plain["rel"] < RIGHT and plain["ratio"] == pytest.approx(1.0, abs=1e-4), (row, plain)  # upstream: right
         assert results[row]["bitwise_as_unpatched"] is True, (row, results[row])  # no harm
         lines = results[row]["zerofix_lines"]
-        assert sum("fixes act on this run" in line for line in lines) == 1, lines  # LLaMA-Factory's console says it
+        # LLaMA-Factory's console says it, once ("1 fix acts" on a dense model since issue 58: not the MoE entry)
+        assert sum("fixes act on this run" in line or "fix acts on this run" in line for line in lines) == 1, lines
     zero3 = "\n".join(results["sft@zero3"]["zerofix_lines"])
     assert "(through DeepSpeed)" in zero3 and "(ZeRO-3)" in zero3, zero3  # the DeepSpeed engine really ran
 

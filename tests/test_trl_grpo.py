@@ -133,3 +133,25 @@ def test_fixed_releases_are_not_affected_and_equal_the_reference(ranks):
     assert all(r["status"][ENTRIES[0]] == "not-affected" for r in records)
     for name, res in results.items():
         assert res["rel_err"] <= SAME, (name, res["rel_err"])
+
+
+# Issue 60, item 3: loss_type bnpo normalises each micro-batch by its own completion tokens, by TRL's definition. zerofix
+# says so once a run and changes nothing (the scenario's completions all have the same length, so here it also equals
+# the window's token mean: the reference).
+BNPO = [{"loss_type": "bnpo", "spg": GAS, "gas": GAS}]
+
+
+def bnpo_runs():
+    return [grpo_request(BNPO, zerofix=z) for z in (False, True)]
+
+
+@pytest.mark.stack("latest", "swift")
+@uses(bnpo_runs)
+def test_bnpo_is_said_and_left_as_trl_defines_it(ranks):
+    _, unpatched = grpo(ranks, BNPO, zerofix=False)
+    records, patched = grpo(ranks, BNPO, zerofix=True)
+    name = trl_grpo.case_name(BNPO[0])
+    assert unpatched[name]["rel_err"] <= SAME and bool((patched[name]["got"] == unpatched[name]["got"]).all())
+    scaling = records[0]["cases"][name]["scaling"]
+    assert "loss_type bnpo: mean of micro-batch token means (documented)" in scaling.get("warnings", ()), scaling
+    assert "averages 4 micro-batch token means" in scaling["local_batch_loss"], scaling  # GAS 2 x 2 ranks

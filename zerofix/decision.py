@@ -184,3 +184,25 @@ def coincidence_message(decision: Decision, gas: int) -> str:
             f"own. If it is a hand fix, remove it: zerofix divides exactly once where a release divides twice (the "
             f"update: {_becomes(as_read).removeprefix('it ')}); if it is a loss weight, say so with {STATEMENT}=1 (or "
             f"zerofix.loss_is_scaled_for_ga(trainer)) and this warning goes ({_becomes(measured)})")
+
+
+# Losses whose normaliser is the local batch by their library's own definition: a right usage, so never changed; with
+# gradient accumulation or several processes the update averages micro-batch means, which is said once a run.
+# TRL's GRPO "bnpo" (its docs: normalised over the local batch, results vary with the local batch size; ms-swift's GRPO
+# takes the same loss type) divides each micro-batch's token sum by that micro-batch's completion tokens, where "dapo"
+# takes the window's (issue 60).
+LOCAL_BATCH_LOSSES = {"bnpo": ("each micro-batch's completion tokens on each process", "dapo")}
+
+
+def local_batch_message(loss_type, gas: int, processes: int) -> str | None:
+    """What to say once a run of a loss type normalised over the local batch by definition (after "zerofix: <Trainer>
+    "), where accumulation or processes make that differ from the window's normalisation; None elsewhere."""
+    known = LOCAL_BATCH_LOSSES.get(loss_type) if isinstance(loss_type, str) else None
+    if known is None or (gas <= 1 and processes <= 1):
+        return None
+    over, window = known
+    return (f"uses loss_type={loss_type!r}, which its library defines as normalised by {over}: with "
+            f"gradient_accumulation_steps={gas} over {processes} process(es) the update averages {gas * processes} "
+            f"micro-batch token means, which differs from one mean over the window's tokens wherever micro-batches "
+            f"count different numbers of tokens. That is the documented loss, and zerofix leaves it as it is; "
+            f"loss_type={window!r} normalises by the window's tokens")

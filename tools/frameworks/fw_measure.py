@@ -199,7 +199,8 @@ END = "<!-- /{name}-table -->"
 HEADER = "| run | unpatched | `ZEROFIX=1` | zerofix said |\n|---|---|---|---|"
 SAID = (("a coincidence, not a statement", "GAS read as a coincidence: upstream's update"),
         ("scales it as a micro-batch mean", "loss rescaled as a micro-batch mean"),
-        ("averages a term over its own micro-batch", "WARNING: a micro-batch mean term"))
+        ("averages a term over its own micro-batch", "WARNING: a micro-batch mean term"),
+        ("which its library defines as normalised by", "WARNING: a local-batch loss by definition"))
 
 
 def said(result: dict) -> str:

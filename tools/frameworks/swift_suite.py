@@ -46,6 +46,10 @@ ROWS = {
     "grpo": (["rlhf", "--rlhf_type", "grpo", "--external_plugins", "{work}/length_reward.py", "--reward_funcs", "length",
               "--num_generations", "2", "--max_completion_length", "12", "--use_vllm", "false", "--temperature", "1.0"],
              "prompts.jsonl"),
+    # the same with loss_type bnpo (issue 60): normalised by each micro-batch's completion tokens, by definition
+    "grpo-bnpo": (["rlhf", "--rlhf_type", "grpo", "--loss_type", "bnpo", "--external_plugins", "{work}/length_reward.py",
+                   "--reward_funcs", "length", "--num_generations", "2", "--max_completion_length", "12",
+                   "--use_vllm", "false", "--temperature", "1.0"], "prompts.jsonl"),
 }
 LENGTH_REWARD = '''from swift.rewards.orm import ORM, orms
 

@@ -3,7 +3,8 @@ modelling of the installed TRL (0.29.1 on the swift stack), with and without ``z
 
     .venvs/swift/bin/python tools/frameworks/trl_suite.py OUT_DIR [ROW ...]
 
-Each row: one SGD step on the tiny local Llama of ``tiny_model.py`` (fp32, one process), GA 4 x 2 unpatched and
+Each row: one SGD step on the tiny local Llama of ``tiny_model.py`` (fp32, set explicitly: TRL's configs default to
+bf16, one process), GA 4 x 2 unpatched and
 patched against the big batch 1 x 8 unpatched (the same 8 pairs in order). Each run in a fresh process. Prints a
 Markdown table (update ratio / cosine; right when max |A - R| / max |R| < 1e-4) and writes OUT_DIR/results.jsonl.
 KTO's KL term is estimated from the batch's mismatched pairs, so its GA and big-batch runs differ by design: measured,
@@ -43,7 +44,8 @@ def train(work: Path, row: str, gas: int, batch: int, patched: bool, out: Path) 
     common = dict(output_dir=str(out / "trainer"), per_device_train_batch_size=batch, gradient_accumulation_steps=gas,
                   max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", warmup_steps=0,
                   weight_decay=0.0, max_grad_norm=0.0, report_to="none", save_strategy="no", logging_steps=1,
-                  use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+                  use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+                  bf16=False, fp16=False)  # TRL's configs default to bf16=True, which autocasts on CPU too (issue 60)
     if row == "reward":
         from trl import RewardConfig, RewardTrainer
 

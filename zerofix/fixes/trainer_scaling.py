@@ -208,6 +208,7 @@ def _new_run(trainer, state: Known, model) -> None:
     state.means, state.rescale_said, state.coincidence_said = [], None, None
     state.path = paths.trainer_path(trainer)
     state.compiled = _compiled(trainer, model)
+    _say_local_batch_loss(trainer)
     trainer_report.ensure_on(trainer)  # a framework that replaced DEFAULT_CALLBACKS (ms-swift) still hears of zerofix
     if not state.path.covered and paths.stood_aside(FIX_ID, state.path):  # the Trainer's log line: trainer_report
         _log.info("zerofix: %s stands aside on this run, %s: the Trainer's own scaling runs unchanged "
@@ -226,6 +227,22 @@ def _new_run(trainer, state: Known, model) -> None:
                    "(transformers >= 5.24's does), so each micro-batch's loss is its own token mean and the update is "
                    "a mean of micro-batch means (uneven label counts weigh micro-batches unequally); zerofix leaves it "
                    "as the Trainer computes it", name)
+
+
+def _say_local_batch_loss(trainer) -> None:
+    """Once a run: a loss its library defines as normalised over the local batch (TRL's GRPO ``bnpo``), which averages
+    micro-batch means under accumulation; said, never changed (``decision.local_batch_message``)."""
+    args = getattr(trainer, "args", None)
+    accelerator = getattr(trainer, "accelerator", None)
+    said = decision.local_batch_message(getattr(args, "loss_type", None),
+                                        int(getattr(args, "gradient_accumulation_steps", 1) or 1),
+                                        int(getattr(accelerator, "num_processes", 1) or 1))
+    if said is None:
+        return
+    details = _details_of(trainer)
+    details["local_batch_loss"] = said
+    _note(details, f"loss_type {args.loss_type}: mean of micro-batch token means (documented)")
+    _warn_main(trainer, "zerofix: %s %s", type(trainer).__name__, said)
 
 
 def count_never_handed(trainer, model) -> str | None:
@@ -758,10 +775,13 @@ def _decide(accelerator, step: TrainerStep, verdict, loss, kwargs) -> decision.D
     trainer, state = step.trainer, step.state
     stated = _stated_once(trainer)
     statement = _user_statement(state)
+    state_now = _state_of(verdict)
+    # the last scalings matter only to an independent loss nobody stated (decision.coincidence): read only there
+    read = state_now == num_items_watch.INDEPENDENT and not stated and statement is None
     evidence = decision.Evidence(
-        verdict=_state_of(verdict), stated=stated, statement=statement,
-        factor=verdict.factor if verdict is not None and verdict.state == num_items_watch.DIVIDED else None,
-        scalings=() if stated or statement is not None else _last_scalings(loss), handed=step.handed)
+        verdict=state_now, stated=stated, statement=statement,
+        factor=verdict.factor if state_now == num_items_watch.DIVIDED else None,
+        scalings=_last_scalings(loss) if read else (), handed=step.handed)
     key = (getattr(trainer, "model_accepts_loss_kwargs", None), getattr(trainer, "compute_loss_func", None) is None,
            getattr(trainer, "loss_is_scaled_for_ga", None), step.num_items is None, step.base_ran, state.window,
            evidence, kwargs.get("scale_wrt_gas", True), accelerator.gradient_accumulation_steps,

@@ -156,7 +156,8 @@ def reference_update(model_dir, files: list[Path]) -> dict:
     micro-step of every rank of ``mask * per_token_loss``, divided by the window's completion tokens (across
     ranks), at the initial weights, times ``-lr``. Per-token losses as TRL defines them for the loss type
     (``dapo``: clipped ratio; ``cispo``: detached clipped ratio times the log-probability; ``vespo``: detached
-    gamma weight of the sequence ratio times the log-probability), with the old log-probabilities each
+    gamma weight of the sequence ratio times the log-probability; ``bnpo``: dapo's, normalised by each micro-step's
+    own tokens, which is the window's here, where every completion has the same length), with the old log-probabilities each
     micro-step received (its own, detached, where TRL passed none). Returns the reference and measured
     updates (flat float64), the largest difference between the ranks' updates and the window's tokens."""
     import torch
@@ -205,7 +206,7 @@ def _micro_objective(model, m: dict, settings: dict):
     log_ratio = logp - old
     coef = torch.exp(log_ratio)
     loss_type = settings["loss_type"]
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "bnpo"):  # bnpo: dapo's per-token loss over each micro-step's own tokens (see above)
         clipped = torch.clamp(coef, 1 - settings["epsilon_low"], 1 + settings["epsilon_high"])
         per_token = -torch.min(coef * adv, clipped * adv)
     elif loss_type == "cispo":
