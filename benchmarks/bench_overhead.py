@@ -144,6 +144,30 @@ def watch_us() -> dict:
             "the same loss, watched and followed count (every Trainer step)": watched}
 
 
+def means_reading_us() -> dict:
+    """transformers-trainer-scaling's micro-batch-mean reading (issue 59: read window after window while their counts
+    are equal, up to 64 windows): one walk of a loss's autograd graph a micro-batch, against that micro-batch's
+    forward+backward, on a tiny Llama (hidden 64, 2 layers, 2 x 256 tokens: the least a step costs, so the largest
+    share the walk can take)."""
+    import torch
+    import transformers
+
+    from zerofix.check import models
+    from zerofix.micro_means import micro_means
+
+    model = transformers.LlamaForCausalLM(models._llama_config())
+    ids = torch.randint(0, model.config.vocab_size, (2, 256))
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    step_us = min(timeit.repeat(step, number=3, repeat=3)) / 3 * 1e6
+    loss = model(input_ids=ids, labels=ids).loss
+    walk_us = min(timeit.repeat(lambda: micro_means(loss), number=20, repeat=5)) / 20 * 1e6
+    return {"a tiny Llama's micro-batch (2 x 256 tokens), forward+backward": step_us,
+            "the micro-batch-mean reading's graph walk of its loss": walk_us}
+
+
 def short_window_us(accelerator, noop, raw: float) -> dict:
     """accelerate-short-last-window, one micro-batch of a plain loop: the accumulate() wrapper (counts it) and
     the backward wrapper, mid-window (sync_gradients False) and at a full window's end (True, not the end
@@ -186,6 +210,13 @@ def main():
         print(f"(the watch not measured: {exc})")
     for name, us in watch.items():  # once per trainer: not a per-call overhead, compared with each other
         print(f"first step {name:66s} {us / 1000:8.2f} ms")
+    try:
+        reading = means_reading_us()
+    except ImportError as exc:
+        reading = {}
+        print(f"(the micro-batch-mean reading not measured: {exc})")
+    for name, us in reading.items():  # per micro-batch while the reading lasts, compared with each other
+        print(f"reading    {name:66s} {us / 1000:8.2f} ms")
     for name, us in calls.items():
         extra = "" if name == "raw method" else f"   added {us - base:+.2f} us (target < 10)"
         print(f"per call  {name:<48} {us:6.2f} us{extra}")

@@ -66,16 +66,34 @@ class Capture(logging.Handler):
 logging.getLogger("zerofix").addHandler(Capture())
 
 KIND = sys.argv[1]
+import os
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+if WORLD > 1:
+    from accelerate import PartialState
+
+    PartialState(backend="gloo")  # accelerate >= 1.13 on CPU otherwise sees one process
+RANK = int(os.environ.get("RANK", "0"))
+STEPS = 2 if KIND == "equal-first" else 1
+GAS = 1 if KIND == "ranks" else 4
 samples = []
-for i in range(8):
+for i in range(8 * STEPS * WORLD // (4 // GAS)):
     ids = torch.randint(1, models.VOCAB, (12,), generator=torch.Generator().manual_seed(i))
     labels = ids.clone()
-    if KIND != "even":
+    if KIND == "ranks":  # one micro-batch a window per rank; the ranks' counts differ, each rank's micro-batch even
+        labels[: 2 + 3 * ((i // 2) % 2)] = -100
+    elif KIND == "equal-first" and i < 8:
+        labels[:4] = -100  # the first window: every micro-batch counts the same labels
+    elif KIND != "even":
         labels[: 1 + (i * 3) % 10] = -100  # prompts of uneven length: 2 to 11 counted labels
     samples.append({"input_ids": ids, "labels": labels})
 
 class NllTrainer(Trainer):
     # ORPO's shape: a sequence-level term (a per-sample mean) plus an NLL token mean over the micro-batch
+    def _get_train_sampler(self, *args, **kwargs):  # the samples in order: which window holds which is the test's
+        from torch.utils.data import SequentialSampler
+
+        return SequentialSampler(self.train_dataset)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         logits = model(input_ids=inputs["input_ids"]).logits[:, :-1]
         labels = inputs["labels"][:, 1:]
@@ -87,22 +105,55 @@ class NllTrainer(Trainer):
 
 torch.manual_seed(0)
 model = models.build_model("causal-lm")
-args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=2, gradient_accumulation_steps=4,
-                         max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", report_to=[],
+args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=2, gradient_accumulation_steps=GAS,
+                         max_steps=STEPS, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", report_to=[],
                          use_cpu=True, save_strategy="no", logging_strategy="no", max_grad_norm=0,
-                         dataloader_drop_last=True)
+                         dataloader_drop_last=True, **({"ddp_backend": "gloo"} if WORLD > 1 else {}))
 NllTrainer(model=model, args=args, train_dataset=samples, data_collator=lambda rows: {
     k: torch.stack([r[k] for r in rows]) for k in rows[0]}).train()
 from zerofix.fixes import trainer_scaling
-print("RESULT" + json.dumps({"records": records, "details": trainer_scaling.runtime_details()}, default=str))
+if RANK == 0:
+    print("RESULT" + json.dumps({"records": records, "details": trainer_scaling.runtime_details()}, default=str))
 """
 
 
-def run(kind):
-    proc = run_python(SCRIPT, args=(kind,), env={"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"},
-                      timeout=300)
+def run(kind, nproc=1):
+    env = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
+    if nproc > 1:  # the same script under torchrun, gloo: rank 0 prints
+        import subprocess
+        import sys
+        import tempfile
+        from pathlib import Path
+
+        script = Path(tempfile.mkdtemp()) / "means.py"
+        script.write_text(SCRIPT)
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                               str(nproc), str(script), kind], env={**_plain_env(), **env, "OMP_NUM_THREADS": "1"},
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        proc = run_python(SCRIPT, args=(kind,), env=env, timeout=300)
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
     return json.loads(line[len("RESULT"):])
+
+
+def _plain_env() -> dict:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith(("ZEROFIX", "_ZEROFIX"))}
+
+
+@pytest.mark.slow
+@pytest.mark.stack("latest", "2026-04")
+def test_a_later_window_and_other_ranks_are_read_until_the_reading_concludes():
+    """Issue 59, item 3: a first window of equal counts and a second that differs (silent before on 5.3: step 2 0.19
+    off); on two ranks with one micro-batch a window, counts that differ between the ranks (each rank's own even)."""
+    later = run("equal-first")
+    said = [msg for level, msg in later["records"] if level == "WARNING" and "averages a term over its own" in msg]
+    assert len(said) == 1 and "in window 2's 4 micro-batches" in said[0], later["records"]
+    ranks = run("ranks", nproc=2)
+    said = [msg for level, msg in ranks["records"] if level == "WARNING" and "averages a term over its own" in msg]
+    assert len(said) == 1 and "in the first window's 2 micro-batches over 2 processes" in said[0], ranks["records"]
 
 
 @pytest.mark.slow

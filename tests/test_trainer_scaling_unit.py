@@ -393,3 +393,37 @@ def test_a_trainer_that_cannot_be_hashed_is_followed():
     fix.get_batch_samples(lambda *a, **k: ([{}] * 4, torch.tensor(12)), t, (iter(()), 4), {})
     assert run_step(t, torch.tensor(12), lambda n: torch.tensor(24.0) / n)[1].item() == 2.0  # divided: as upstream
     assert fix.run_details(t.state)["steps_divided"] == 1
+
+
+def _token_mean(counted: int):
+    """A micro-batch's token-mean cross-entropy over ``counted`` labels (of 12), independent of the count."""
+    g = torch.Generator().manual_seed(counted)
+    logits = torch.randn(12, 5, generator=g, requires_grad=True)
+    labels = torch.randint(0, 5, (12,), generator=g)
+    labels[counted:] = -100
+    return torch.nn.functional.cross_entropy(logits, labels)
+
+
+def test_the_micro_batch_mean_reading_goes_on_until_a_window_concludes(caplog):
+    """Issue 59, item 3: a first window whose micro-batches count the same tokens concludes nothing; the reading goes on,
+    and the window whose counts differ is said, once, as that window's."""
+    t, count = trainer(), torch.tensor(12)
+    with caplog.at_level(logging.WARNING, logger="zerofix"):
+        for counted in (6, 6, 6, 6, 6, 6, 6, 6):  # two windows of equal counts: nothing said of a term
+            run_step(t, count, lambda n, c=counted: _token_mean(c))
+        assert "averages a term" not in caplog.text
+        assert caplog.text.count("is independent of num_items_in_batch") == 1  # the held rescale: said alone
+        for counted in (3, 9, 6, 6, 7, 7, 7, 7):  # the third window differs: said; the fourth is not read
+            run_step(t, count, lambda n, c=counted: _token_mean(c))
+    said = [r.getMessage() for r in caplog.records if "averages a term" in r.getMessage()]
+    assert len(said) == 1 and "over 3, 9, 6, 6 elements in window 3's 4 micro-batches" in said[0], said
+    assert "zerofix scales it as a micro-batch mean (said above)" in said[0], said
+
+
+def test_the_reading_gives_up_after_its_windows(monkeypatch, caplog):
+    monkeypatch.setattr(fix, "MEANS_WINDOWS", 2)
+    t, count = trainer(), torch.tensor(12)
+    with caplog.at_level(logging.WARNING, logger="zerofix"):
+        for counted in (6,) * 8 + (3, 9, 6, 6):  # two equal windows, then one that differs: no longer read
+            run_step(t, count, lambda n, c=counted: _token_mean(c))
+    assert "averages a term" not in caplog.text and fix.known(t).means is None

@@ -1,29 +1,8 @@
 #!/usr/bin/env bash
 # One device call for issue 58 (docs/measured/gpu-*-2026-11-28-issue58): the chunked-CE table (the blocked path's time
-# and peak against Liger-Kernel and cut-cross-entropy with their own defaults, carried as wheels in .whl/common) with
-# the GPU to itself, then at once the gpu-marked switch tests (the proof in training mode, CUDA's random state) and
-# issue 58's Trainer rows (tools/gpu_trainer_matrix.py --cells issue58) on no engine and FSDP2, bf16 and fp32.
-# Nothing is downloaded there.
+# and peak against Liger-Kernel and cut-cross-entropy), then at once the gpu-marked switch tests (the proof in training
+# mode, CUDA's random state) and issue 58's Trainer rows on no engine and FSDP2, bf16 and fp32 (tools/gpu_issue_rows.sh).
 #
 #   bash tools/gpu_issue58.sh OUTDIR
-set -u
-out=${1:?usage: tools/gpu_issue58.sh OUTDIR}
-mkdir -p "$out"
-py=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-"$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/zf-common .whl/common/*.whl > "$out/install.txt" 2>&1
-export PYTHONPATH=$PWD:/tmp/zf-common
-{ nvidia-smi -L; "$py" -c 'import torch, sys; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
-  "$py" -m pip list 2>/dev/null | grep -iE "^(transformers|accelerate|triton|torch) "; ls /tmp/zf-common; } > "$out/env.txt" 2>&1
-start=$SECONDS
-timeout "${BENCH_LIMIT:-180}" "$py" benchmarks/bench_chunked_ce.py --device cuda --repeats "${BENCH_REPEATS:-5}" \
-  --json "$out/bench.json" > "$out/bench.txt" 2>&1
-echo "bench: exit $? after $((SECONDS - start)) s" >> "$out/env.txt"
-start=$SECONDS
-timeout "${TEST_LIMIT:-150}" "$py" -m pytest -m gpu tests/test_gpu.py -k "switch or chunked_cross_entropy_parity" -q \
-  -p no:cacheprovider > "$out/pytest.txt" 2>&1 &
-timeout "${MATRIX_LIMIT:-200}" "$py" tools/gpu_trainer_matrix.py --cells issue58 --engines none,fsdp2 --nproc 1 \
-  --dtypes bf16,fp32 --jobs 4 --json "$out/matrix-issue58.json" > "$out/matrix-issue58.txt" 2>&1 &
-wait
-echo "tests and matrix: $((SECONDS - start)) s" >> "$out/env.txt"
-exit 0
+exec bash "$(dirname "$0")/gpu_issue_rows.sh" "${1:?usage: tools/gpu_issue58.sh OUTDIR}" issue58 \
+  "switch or chunked_cross_entropy_parity"

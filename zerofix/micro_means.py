@@ -21,7 +21,7 @@ import math
 
 import torch
 
-__all__ = ["micro_means", "differing"]
+__all__ = ["micro_means", "differing", "outcome", "DIFFER", "EQUAL", "NONE"]
 
 _MEAN = 1  # torch's Reduction::Mean
 _NODE_LIMIT = 200_000  # a walk never runs unbounded; a graph larger than this is not read (None)
@@ -80,3 +80,20 @@ def differing(records: list[list[tuple[str, int]]]) -> list[tuple[str, list[int]
         if len(set(counts)) > 1:
             out.append((kind, counts))
     return out
+
+
+DIFFER, EQUAL, NONE = "differ", "equal", "none"  # outcome()'s verdicts on a window's records
+
+
+def outcome(records: list) -> tuple[str, list]:
+    """What a window's records (every micro-batch of every rank) say: DIFFER with ``differing``'s list where a mean's
+    count changed (the update averages micro-batch means: concluded); EQUAL where the graphs have the same means and
+    every count is the same (nothing to tell yet: a later window may differ); NONE where there is no mean to read, a
+    graph could not be read, or the graphs differ in shape (nothing this reading can conclude)."""
+    if not records or any(r is None for r in records) or not any(records):
+        return NONE, []
+    changed = differing(records)
+    if changed:
+        return DIFFER, changed
+    kinds = [[kind for kind, _ in r] for r in records]
+    return (EQUAL, []) if all(k == kinds[0] for k in kinds[1:]) else (NONE, [])

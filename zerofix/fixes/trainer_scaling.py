@@ -98,7 +98,7 @@ class Known:
     depends on the model, the loss function or the arguments is read again at every ``train()`` (``run``)."""
 
     __slots__ = ("run", "path", "compiled", "verdict", "window", "stated", "statement", "details", "plans", "warned",
-                 "handing", "counted", "env_statement", "means", "rescale_said", "coincidence_said")
+                 "handing", "counted", "env_statement", "means", "means_windows", "rescale_said", "coincidence_said")
 
     def __init__(self):
         self.run = None  # trainer.state of the run the facts below were read in (a new one at every train())
@@ -114,7 +114,8 @@ class Known:
         self.warned = set()  # warnings given in this run
         self.counted = False  # the current window was counted only because zerofix hands the count (count_never_handed)
         self.env_statement = None  # ZEROFIX_LOSS_IS_SCALED_FOR_GA, read at every train()
-        self.means = None  # the first window's micro_means records, while they are read (None: done or not reading)
+        self.means = None  # this window's micro_means records, while they are read (None: done or not reading)
+        self.means_windows = 0  # windows the micro-batch-mean reading has read
         self.rescale_said = None  # (the rescale warning, upstream's factor), held while the first window's means are
         # read: where they find a micro-batch mean term, one WARNING says both
         self.coincidence_said = None  # the coincidence warning (zerofix.decision), held the same way
@@ -205,7 +206,7 @@ def _new_run(trainer, state: Known, model) -> None:
         return
     state.run, state.stated, state.plans, state.warned = run, None, {}, set()
     state.details, state.counted, state.env_statement = None, False, envvalues.loss_statement()
-    state.means, state.rescale_said, state.coincidence_said = [], None, None
+    state.means, state.means_windows, state.rescale_said, state.coincidence_said = [], 0, None, None
     state.path = paths.trainer_path(trainer)
     state.compiled = _compiled(trainer, model)
     _say_local_batch_loss(trainer)
@@ -660,58 +661,91 @@ def backward(wrapped, accelerator, args, kwargs):
         accelerator.gradient_accumulation_steps = steps
 
 
+MEANS_WINDOWS = 64  # windows of equal counts the micro-batch-mean reading reads before it gives up (one graph walk a
+# micro-batch while it reads: tests/benchmarks)
+
+
 def _read_micro_means(step: TrainerStep, verdict, loss) -> None:
-    """Issue 53, item 3: over a run's first window, the means the loss takes over its own micro-batch (``micro_means``);
-    where one divides by a count that changes between the window's micro-batches, the update averages micro-batch means
-    and zerofix, which cannot hand that term a count, leaves it as upstream computes it and says so once. Read only
-    where the loss does not take the count (independent of it, or never handed it) and zerofix hands the model none: a
-    loss divided by the count, and a head zerofix hands the count to, are the Trainer entry's other paths."""
-    state = step.state
-    gas = int(step.trainer.args.gradient_accumulation_steps)
+    """Issues 53 and 59: the means the loss takes over its own micro-batch (``micro_means``), window by window, on every
+    rank, judged over the window's micro-batches of every rank. Where one divides by a count that changes between them,
+    the update averages micro-batch means and zerofix, which cannot hand that term a count, says so once. A window whose
+    counts are all equal concludes nothing (a later one may differ: issue 59 measured a first window of equal counts and
+    a second 0.19 off, silent), so the reading goes on, up to MEANS_WINDOWS windows. Read only where the loss does not
+    take the count (independent of it, or never handed it) and zerofix hands the model none: a loss divided by the count,
+    and a head zerofix hands the count to, are the Trainer entry's other paths. On several processes each rank reads to
+    the window's end before the ranks compare (one small all-gather a window while the reading lasts), so every rank
+    reaches the same decision at the same step."""
+    state, trainer = step.state, step.trainer
+    gas = int(trainer.args.gradient_accumulation_steps)
+    world = int(getattr(trainer.accelerator, "num_processes", 1) or 1)
     independent = verdict is None or verdict.state == num_items_watch.INDEPENDENT
-    if gas <= 1 or step.handed or state.handing or not independent:
+    readable = gas * world > 1 and not step.handed and not state.handing and independent
+    if not readable and world == 1:
         _stop_reading_means(step)
         return
-    state.means.append(micro_means.micro_means(loss))
+    state.means.append(micro_means.micro_means(loss) if readable else None)  # None: this window concludes nothing
     if len(state.means) < int(state.window or gas):
         return
-    changed = micro_means.differing(state.means)
-    if not changed:
+    found, changed = micro_means.outcome(_across_ranks(state.means, world))
+    state.means_windows += 1
+    if found == micro_means.EQUAL and state.means_windows < MEANS_WINDOWS:
+        _release_held(step)  # the first window's held warnings are said alone; the reading goes on
+        state.means = []
+        return
+    if found != micro_means.DIFFER:
         _stop_reading_means(step)
         return
     rescaled, coincided = state.rescale_said, state.coincidence_said
     state.means = state.rescale_said = state.coincidence_said = None
     kind, counts = changed[0]
-    term = (f"a {kind} over {', '.join(map(str, counts))} elements in the first window's {len(counts)} "
-            "micro-batches")
-    plan = step.plan if step.plan is not None else scaling.Plan()
-    if rescaled is None and not plan.changes:  # upstream's own scaling: a mean of the micro-batch means
-        said = (f"averages a term over its own micro-batch ({term}), so with gradient accumulation the update averages "
-                "micro-batch means where one batch of the window's size takes one mean; zerofix cannot hand that term "
-                "a count, and that mean of means stays as upstream computes it")
-        if coincided is not None:  # one WARNING for both (the coincidence's own words first)
-            said = f"{coincided}. It also {said}"
-        tail = ""
-    elif rescaled is None:  # a statement (or the Trainer's own attributes) made zerofix change this run's scaling
-        factor = float(1 / decision.update_factor(step.call, plan))
-        said = (f"averages a term over its own micro-batch ({term}); {_statement_source(state)} says what it is, so "
-                f"zerofix scales it "
-                f"as {'a micro-batch mean' if step.call.loss_is_mean else 'per accumulation window'} and the update "
-                f"averages micro-batch means (the Trainer's own path gave {factor:g}x that) where one batch of the "
-                "window's size takes one mean; zerofix cannot hand that term a count")
-        tail = ""
-    else:  # zerofix's scaling of a micro-batch mean: the mean of the micro-batch means (upstream's: a multiple)
-        rescale, factor = rescaled
-        said = (f"is independent of num_items_in_batch and averages a term over its own micro-batch ({term}): "
-                f"{rescale}, so the update averages micro-batch means (the Trainer's own path gave {factor:g}x that) "
-                "where one batch of the window's size takes one mean; zerofix cannot hand that term a count")
-        tail = " " + _IF_ALREADY_DIVIDED
-    details = _details_of(step.trainer)
+    where = "the first window's" if state.means_windows == 1 else f"window {state.means_windows}'s"
+    term = (f"a {kind} over {', '.join(map(str, counts))} elements in {where} {len(counts)} micro-batches"
+            + (f" over {world} processes" if world > 1 else ""))
+    said, tail = _means_said(step, term, rescaled, coincided)
+    details = _details_of(trainer)
     details["micro_batch_mean"] = said
     _note(details, "micro-batch mean term: mean of micro-batch means")
-    _warn_main(step.trainer, "zerofix: %s's loss %s. For the window's mean: make that term a sum divided by the "
+    _warn_main(trainer, "zerofix: %s's loss %s. For the window's mean: make that term a sum divided by the "
                "window's count (the Trainer's num_items_in_batch), or train with gradient_accumulation_steps=1 and the "
-               "same total batch.%s", type(step.trainer).__name__, said, tail)
+               "same total batch.%s", type(trainer).__name__, said, tail)
+
+
+def _across_ranks(records: list, world: int) -> list:
+    """This window's records of every rank, in rank order (this rank's alone on one process)."""
+    import torch.distributed as dist
+
+    if world <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return records
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, records)
+    return [record for rank in gathered for record in rank]
+
+
+def _means_said(step: TrainerStep, term: str, rescaled, coincided) -> tuple[str, str]:
+    """What the WARNING of a micro-batch mean term says of the update (after "zerofix: <Trainer>'s loss "), by what this
+    run does to it: upstream's scaling, zerofix's rescale of an unstated mean (held for the first window and said here,
+    or said already), or a statement's."""
+    state = step.state
+    plan = step.plan if step.plan is not None else scaling.Plan()
+    means = (f"so with gradient accumulation the update averages micro-batch means where one batch of the window's size "
+             "takes one mean; zerofix cannot hand that term a count")
+    if rescaled is None and not plan.changes:  # upstream's own scaling: a mean of the micro-batch means
+        said = f"averages a term over its own micro-batch ({term}), {means}, and that mean of means stays as upstream " \
+               "computes it"
+        return (f"{coincided}. It also {said}" if coincided is not None else said), ""  # one WARNING for both
+    factor = f"{float(1 / decision.update_factor(step.call, plan)):g}" if rescaled is None else f"{rescaled[1]:g}"
+    gave = f"(the Trainer's own path gave {factor}x that)"
+    if rescaled is not None:  # zerofix's scaling of a micro-batch mean: the mean of the micro-batch means
+        return (f"is independent of num_items_in_batch and averages a term over its own micro-batch ({term}): "
+                f"{rescaled[0]}, so the update averages micro-batch means {gave} where one batch of the window's size "
+                "takes one mean; zerofix cannot hand that term a count"), " " + _IF_ALREADY_DIVIDED
+    if _user_statement(state) is None and not state.stated:  # rescaled unstated, said when the first window ended
+        return (f"averages a term over its own micro-batch ({term}): zerofix scales it as a micro-batch mean (said "
+                f"above), {means} {gave}"), " " + _IF_ALREADY_DIVIDED
+    return (f"averages a term over its own micro-batch ({term}); {_statement_source(state)} says what it is, so zerofix "
+            f"scales it as {'a micro-batch mean' if step.call.loss_is_mean else 'per accumulation window'} and the "
+            f"update averages micro-batch means {gave} where one batch of the window's size takes one mean; zerofix "
+            "cannot hand that term a count"), ""
 
 
 def _statement_source(state: Known) -> str:
@@ -724,10 +758,16 @@ def _statement_source(state: Known) -> str:
 
 
 def _stop_reading_means(step: TrainerStep) -> None:
-    """The first window's reading ends without a micro-batch mean to say: a rescale warning held for it is said now."""
+    """The reading ends without a micro-batch mean to say: a warning held for it is said now."""
+    _release_held(step)
+    step.state.means = None
+
+
+def _release_held(step: TrainerStep) -> None:
+    """The warnings held for the first window's end (a rescale, a coincidence), said alone now, once."""
     state = step.state
     held, coincided = state.rescale_said, state.coincidence_said
-    state.means = state.rescale_said = state.coincidence_said = None
+    state.rescale_said = state.coincidence_said = None
     if held is not None:
         _say_rescaled(step.trainer, held[0])
     if coincided is not None:
