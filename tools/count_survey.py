@@ -111,11 +111,17 @@ def tiny(cls):
     return cls(config).eval()
 
 
+THROUGH_LOSS_FUNCTION = "divided through its loss_function"  # issue 59: the count handed to the loss the head calls
+
+
 def verdict_of(cls) -> str:
-    """``divided`` / ``independent`` / ``unknown`` for a forward with labels and a watched count, or ``not built``."""
+    """``divided`` / ``independent`` / ``unknown`` for a forward with labels and a watched count, or ``not built``; a head
+    whose forward drops the count is asked again with the count handed to the loss function it calls, as the Trainer
+    entry does in a handed step (``trainer_scaling.CountToLoss``): THROUGH_LOSS_FUNCTION where that loss is divided."""
     import torch
 
     from zerofix import num_items_watch
+    from zerofix.fixes.trainer_scaling import CountToLoss
 
     try:
         model = tiny(cls)
@@ -125,16 +131,26 @@ def verdict_of(cls) -> str:
     ids = torch.randint(3, 100, (B, T), generator=g)
     labels = ids.clone()
     labels[0, 8:] = -100  # uneven counts
-    count = num_items_watch.watch(torch.tensor(int((labels[:, 1:] != -100).sum())))
-    try:
-        with torch.no_grad():
-            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, num_items_in_batch=count)
-        loss = out["loss"] if isinstance(out, dict) else out[0]
-        return num_items_watch.decide(loss).state
-    except Exception as exc:  # noqa: BLE001
-        return f"not built: forward {type(exc).__name__}"
-    finally:
-        num_items_watch.close()
+    counted = torch.tensor(int((labels[:, 1:] != -100).sum()))
+    verdict = None
+    for to_loss in (False, True):
+        count = num_items_watch.watch(counted)
+        try:
+            with torch.no_grad(), CountToLoss(model if to_loss else None, count):
+                out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, num_items_in_batch=count)
+            loss = out["loss"] if isinstance(out, dict) else out[0]
+            verdict = num_items_watch.decide(loss).state
+        except Exception as exc:  # noqa: BLE001
+            return f"not built: forward {type(exc).__name__}"
+        finally:
+            num_items_watch.close()
+        if verdict != "independent":
+            break
+        if to_loss is False:
+            continue
+    if verdict == "divided" and to_loss:
+        return THROUGH_LOSS_FUNCTION
+    return verdict
 
 
 def survey() -> list[tuple[str, str]]:
@@ -157,8 +173,10 @@ def table(rows, others: int) -> str:
              f"{len(rows)} head classes say `accepts_loss_kwargs = False` (the Trainer neither counts nor passes the "
              f"count); {others} other generation heads get it from the Trainer.", "",
              "| head class | loss when handed the count | with zerofix |", "|---|---|---|"]
-    effect = {"divided": "the window's token mean", "independent": "the mean of means stays (warned)",
-              "unknown": "the mean of means stays (warned)"}
+    effect = {"divided": "the window's token mean",
+              THROUGH_LOSS_FUNCTION: "the window's token mean (zerofix hands the count to the loss function it calls)",
+              "independent": "the mean of means stays, said at WARNING where micro-batches count differently",
+              "unknown": "the mean of means stays, said at WARNING"}
     for name, verdict in rows:
         lines.append(f"| `{name}` | {verdict} | {effect.get(verdict, 'decided at the first step of a run')} |")
     return "\n".join(lines) + "\n"

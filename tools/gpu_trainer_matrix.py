@@ -32,7 +32,7 @@ ISSUE51_CELLS = ([{"name": r, "model": "causal-lm", "loss": r, "gas": 4, "lr": 5
                   for r in ("sum-from-zero", "where-positive", "plus-eps", "steps-divided-mean", "times-steps")]
                  + [{"name": "nokw-logged-count", "model": "nokw-llama", "loss": "logged-count", "gas": 4, "lr": 5.0,
                      "loss_modes": "batch-mean"},
-                    {"name": "own-mean", "model": "own-mean-llama", "gas": 4, "lr": 5.0}])
+                    {"name": "own-mean", "model": "inline-mean-llama", "gas": 4, "lr": 5.0}])
 # Issue 58's rows (--cells issue58): a value equal to GAS is a coincidence: upstream's update, bitwise, right or not
 # (the mean / GAS through a compute_loss_func, a loss weight of GAS, four mean terms over 4); a double division, said
 ISSUE58_CELLS = [{"name": r, "model": "causal-lm", "loss": r, "gas": 4, "lr": 5.0}

@@ -11,7 +11,10 @@ The model kinds cover the Trainer's normalisation paths:
   loss is the normalised cross-entropy plus the coefficient times the micro-batch's router load-balancing loss;
 - ``nokw-llama``: the causal LM with the class attribute ``accepts_loss_kwargs = False`` (what 27 generation heads
   of transformers 5.24 say): the Trainer neither counts nor passes the count, though the forward would divide by it;
-- ``own-mean-llama``: the same flag, and a forward that drops the count (its loss is its own token mean);
+- ``own-mean-llama``: the same flag, and a forward that takes the count and does not pass it on (Qwen3-VL's and GLM-4V's
+  pattern on transformers 4.57 - 5.6: its loss function is called without it);
+- ``inline-mean-llama``: the same flag, and a forward computing its own token mean inline (Gemma 3's pattern: no loss
+  function a count could reach);
 - ``vlm`` / ``vlm-image``: a tiny Qwen2_5_VLForConditionalGeneration (the flag False from transformers), on text-only
   samples, or on samples carrying one 2x2-patch image whose tokens are labelled -100.
 A sequence-level kind's samples carry one class label each (``TASK``).
@@ -29,7 +32,7 @@ SEQ = 12
 IGNORE = -100
 NUM_LABELS = 3
 MODEL_KINDS = ("causal-lm", "custom", "seq-cls-llama", "seq-cls-bert", "peft-seq-cls-llama", "moe", "nokw-llama",
-               "own-mean-llama", "vlm", "vlm-image")
+               "own-mean-llama", "inline-mean-llama", "vlm", "vlm-image")
 VLM_KINDS = ("vlm", "vlm-image")  # the tiny Qwen2.5-VL, on text only and with images
 # The tiny VLM's image: tokens 1..6 of a sample are <vision_start>, four image tokens (one per 2x2 patch) and
 # <vision_end>; its pixels are 4 patches of 3 x 2 x 2 values.
@@ -37,6 +40,9 @@ IMAGE_TOKEN, VISION_START, VISION_END, VIDEO_TOKEN = 60, 62, 63, 61
 IMAGE_PATCHES, PATCH_VALUES = 4, 12
 MOE_AUX_COEF = 0.5
 SEQUENCE_KINDS = ("seq-cls-llama", "seq-cls-bert", "peft-seq-cls-llama")
+
+
+TYPED = "token-typed"  # next-token labels, and token types (zeros: text) the head requires in training
 
 
 @functools.lru_cache(maxsize=None)  # the reference asks per micro-batch; an hf: kind's answer is in a file
@@ -119,7 +125,7 @@ def build_model(kind: str, seed: int = 0, *, loss_only: bool = False) -> nn.Modu
             model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                      task_type="SEQ_CLS", init_lora_weights=False))
         return model
-    if kind in ("nokw-llama", "own-mean-llama"):
+    if kind in ("nokw-llama", "own-mean-llama", "inline-mean-llama"):
         return _no_count_llama(kind)
     if kind in VLM_KINDS:
         return _tiny_vlm()
@@ -163,7 +169,8 @@ def _llama_config():
 
 
 def _no_count_llama(kind: str) -> nn.Module:
-    """LlamaForCausalLM saying ``accepts_loss_kwargs = False``; ``own-mean-llama`` also drops the count."""
+    """LlamaForCausalLM saying ``accepts_loss_kwargs = False``; ``own-mean-llama`` also drops the count on its way to the
+    loss function, ``inline-mean-llama`` computes its token mean inline."""
     from transformers import LlamaForCausalLM
 
     class NoCountLlamaForCausalLM(LlamaForCausalLM):
@@ -171,9 +178,17 @@ def _no_count_llama(kind: str) -> nn.Module:
 
     class OwnMeanLlamaForCausalLM(NoCountLlamaForCausalLM):
         def forward(self, *args, num_items_in_batch=None, **kwargs):
-            return super().forward(*args, **kwargs)  # its loss: its own token mean, whatever it is handed
+            return super().forward(*args, **kwargs)  # the count is not passed on to the loss function
 
-    cls = NoCountLlamaForCausalLM if kind == "nokw-llama" else OwnMeanLlamaForCausalLM
+    class InlineMeanLlamaForCausalLM(NoCountLlamaForCausalLM):
+        def forward(self, *args, labels=None, num_items_in_batch=None, **kwargs):
+            out = super().forward(*args, **kwargs)
+            if labels is not None:  # its own token mean, whatever it is handed (an item: a field that was None)
+                out["loss"] = next_token_ce(out.logits.float(), labels, "mean")
+            return out
+
+    cls = {"nokw-llama": NoCountLlamaForCausalLM, "own-mean-llama": OwnMeanLlamaForCausalLM,
+           "inline-mean-llama": InlineMeanLlamaForCausalLM}[kind]
     return cls(_llama_config())
 
 
@@ -217,6 +232,8 @@ def sample(index: int, seed: int = 0, task: str = "token") -> dict:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels,
                 "pixel_values": torch.randn(IMAGE_PATCHES, PATCH_VALUES, generator=g),
                 "image_grid_thw": torch.tensor([[1, 2, 2]])}  # one image of 2 x 2 patches
+    if task == TYPED:  # a head that requires token types in training (Gemma 3 on 4.57 - 5.3): all text
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels, "token_type_ids": torch.zeros_like(ids)}
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
@@ -264,7 +281,8 @@ def moe_losses(model: nn.Module, batch: dict) -> tuple[torch.Tensor, int, torch.
 
 def token_loss_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, int]:
     """(sum of next-token cross-entropies, number of counted tokens) of one micro-batch."""
-    extra = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}  # a VLM sample's image
+    # a VLM sample's image; the token types a head requires in training
+    extra = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "token_type_ids") if k in batch}
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra)
     logits = out["logits"] if isinstance(out, dict) else out.logits
     return next_token_ce(logits, batch["labels"], "sum"), int((batch["labels"][:, 1:] != IGNORE).sum())

@@ -142,7 +142,7 @@ def user_scenarios(cfg, *, model_name: str | None = None, tied: bool = False, ta
     and, for the Trainer, a custom module without loss kwargs); ``tied``: whether its head is tied; ``task``:
     "sequence" for a sequence classifier (the Trainer's row trains it, the accelerate row a tiny Llama)."""
     tolerance = BF16_TOLERANCE if cfg.dtype == "bf16" else None
-    lm = model_name if model_name and task == "token" else "tiny Llama"
+    lm = model_name if model_name and task != "sequence" else "tiny Llama"
     # ZeRO-1 in bf16 with an fp32 gradient accumulator trains through DeepSpeed's BF16_Optimizer (0.18.5+), and through
     # FP16_UnfusedOptimizer on 0.17.6 - 0.18.4, as ZeRO-0 in bf16 does from 0.17.6
     bf16_accumulator = (cfg.dtype == "bf16" and cfg.stage == 1 and not cfg.offload

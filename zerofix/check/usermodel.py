@@ -265,6 +265,23 @@ def _adds_router_loss(model) -> bool:
     return getattr(out, "aux_loss", None) is not None
 
 
+def _needs_token_types(model) -> bool:
+    """Whether the tiny model's forward refuses a text batch with labels in training without ``token_type_ids`` (Gemma 3
+    on transformers 4.57 - 5.3: "token_type_ids is required as a model input when training"): read from its behaviour."""
+    import torch
+
+    from zerofix.check import models
+
+    batch = models.collate([0, 1])
+    model.train()
+    try:
+        with torch.no_grad():
+            model(**batch)
+    except Exception as exc:  # noqa: BLE001 - any refusal naming the token types
+        return "token_type_ids" in str(exc)
+    return False
+
+
 def prepare(path, out_dir: Path) -> tuple[str, dict]:
     """Shrink the config, build the tiny model once (a config that cannot be built is a usage error now, not
     a failed row later), write the shrunk config; return (model kind "hf:<file>", a description)."""
@@ -278,6 +295,10 @@ def prepare(path, out_dir: Path) -> tuple[str, dict]:
                           f"({type(exc).__name__}: {exc})") from None
     if _adds_router_loss(model):
         config["_zerofix_loss"] = "moe"  # the reference weights the router's auxiliary loss as one big batch
+    if config.get("_zerofix_task", "token") == "token" and _needs_token_types(model):
+        from zerofix.check.models import TYPED
+
+        config["_zerofix_task"] = TYPED
     out_dir.mkdir(parents=True, exist_ok=True)
     file = out_dir / "tiny-model-config.json"
     file.write_text(json.dumps(config, indent=1))

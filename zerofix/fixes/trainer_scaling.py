@@ -98,7 +98,8 @@ class Known:
     depends on the model, the loss function or the arguments is read again at every ``train()`` (``run``)."""
 
     __slots__ = ("run", "path", "compiled", "verdict", "window", "stated", "statement", "details", "plans", "warned",
-                 "handing", "counted", "env_statement", "means", "means_windows", "rescale_said", "coincidence_said")
+                 "handing", "counted", "env_statement", "means", "means_windows", "rescale_said", "coincidence_said",
+                 "unreached")
 
     def __init__(self):
         self.run = None  # trainer.state of the run the facts below were read in (a new one at every train())
@@ -119,6 +120,7 @@ class Known:
         self.rescale_said = None  # (the rescale warning, upstream's factor), held while the first window's means are
         # read: where they find a micro-batch mean term, one WARNING says both
         self.coincidence_said = None  # the coincidence warning (zerofix.decision), held the same way
+        self.unreached = None  # the head zerofix handed the count to whose loss did not take it (its own mean)
 
 
 _known = WeakIdentityMap()  # trainer -> Known (by identity: a trainer need not hash)
@@ -207,6 +209,7 @@ def _new_run(trainer, state: Known, model) -> None:
     state.run, state.stated, state.plans, state.warned = run, None, {}, set()
     state.details, state.counted, state.env_statement = None, False, envvalues.loss_statement()
     state.means, state.means_windows, state.rescale_said, state.coincidence_said = [], 0, None, None
+    state.unreached = None
     state.path = paths.trainer_path(trainer)
     state.compiled = _compiled(trainer, model)
     _say_local_batch_loss(trainer)
@@ -304,6 +307,66 @@ def _flagged_class(trainer, model) -> str | None:
     return type(inner).__name__ if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params) else None
 
 
+def _inner(trainer, model):
+    """The transformers model inside DDP, DeepSpeed, FSDP and PEFT (whose forward computes the loss)."""
+    try:
+        model = trainer.accelerator.unwrap_model(model)
+    except Exception:  # noqa: BLE001 - an exotic wrapper: take the model as it is
+        pass
+    return _unwrap_peft(model)
+
+
+class CountToLoss:
+    """For one handed step (issue 59): the model's ``loss_function`` gets ``num_items_in_batch`` where the forward that
+    calls it does not pass it. Qwen3-VL and GLM-4V on transformers 4.57 - 5.3 and Qwen3.5 on 5.3 take the count in their
+    ``**kwargs`` and call ``self.loss_function(logits=..., labels=..., vocab_size=...)`` without it, so the count the
+    Trainer hands never reaches the loss and each micro-batch takes its own token mean. Whether the loss is then
+    divided by the count is the step's verdict, as for any handed head (``_check_handed``): kept where it is, the step run
+    again without the count where it is not. A call that passes the count itself (5.24's heads) is left as it is, and
+    so is a loss function that takes no count (its signature has neither ``num_items_in_batch`` nor ``**kwargs``).
+    The model's own ``_loss_function`` (a user's, set through the property) is what gets the count, and is put back."""
+
+    def __init__(self, model, count):
+        self.model, self.count, self.kept = model, count, None
+
+    def __enter__(self):
+        model, count = self.model, self.count
+        if count is None or not isinstance(inspect.getattr_static(type(model), "loss_function", None), property):
+            return self
+        try:
+            original = model.loss_function
+            params = inspect.signature(original).parameters
+        except Exception:  # noqa: BLE001 - a loss function this cannot read: left as it is
+            return self
+        names = list(params)
+        if "num_items_in_batch" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            return self
+        position = names.index("num_items_in_batch") if "num_items_in_batch" in names else None
+
+        def with_count(*args, **kwargs):
+            if kwargs.get("num_items_in_batch") is not None:
+                return original(*args, **kwargs)
+            if position is not None and position < len(args):
+                if args[position] is not None:
+                    return original(*args, **kwargs)
+                args = (*args[:position], count, *args[position + 1:])
+                return original(*args, **kwargs)
+            return original(*args, **{**kwargs, "num_items_in_batch": count})
+
+        self.kept = (vars(model).get("_loss_function"), "_loss_function" in vars(model))
+        model.loss_function = with_count
+        return self
+
+    def __exit__(self, *exc):
+        if self.kept is None:
+            return
+        value, had = self.kept
+        if had:
+            self.model.loss_function = value
+        else:
+            vars(self.model).pop("_loss_function", None)
+
+
 class _Handing:
     """``trainer.model_accepts_loss_kwargs`` True for the length of one Trainer call (counting a window, a step):
     the Trainer then counts, passes and scales the count as for any model that takes it; outside, the attribute is the
@@ -343,9 +406,11 @@ def training_step(wrapped, trainer, args, kwargs):
             num_items_watch.as_tensor_like_release(num_items)))
     step = accelerator.__dict__[_STEP] = TrainerStep(trainer, num_items, watching, state)
     step.handed = bool(state.handing) and num_items is not None
-    before = replay.Point(plain[0][0] if plain[0] else plain[1].get("model")) if step.handed else None
+    model = plain[0][0] if plain[0] else plain[1].get("model")
+    before = replay.Point(model) if step.handed else None
     try:
-        with _Handing(trainer, step.handed):
+        with _Handing(trainer, step.handed), CountToLoss(_inner(trainer, model) if step.handed else None,
+                                                         _num_items_arg(args, kwargs)):
             result = num_items_watch.unwatched(wrapped(*args, **kwargs))  # the Trainer's running loss stays plain
     finally:
         accelerator.__dict__.pop(_STEP, None)
@@ -510,11 +575,16 @@ def _check_handed(step: TrainerStep, verdict, details) -> None:
     independent = verdict is not None and verdict.state == num_items_watch.INDEPENDENT
     at = getattr(getattr(step.trainer, "state", None), "global_step", 0) + 1
     details["count_handed"] = (f"{name}: stopped at optimizer step {at}, the loss is not divided by the count; that "
-                               "micro-batch ran again without it and every step from there is the Trainer's own")
+                               "micro-batch ran again without it and every step from there is scaled as a micro-batch "
+                               "mean (the Trainer's own path, or zerofix's plan where the release divides twice)")
+    state.unreached = name
     details["count_handed_verdict"] = verdict.state if verdict is not None else num_items_watch.UNKNOWN
-    if independent:
-        _log.info("zerofix: %s's loss is independent of num_items_in_batch: zerofix stopped handing it the count at "
-                  "optimizer step %d and ran that micro-batch again without it: this run is the Trainer's own", name, at)
+    if independent:  # a head computing its own mean (Gemma 3's inline cross-entropy), a classifier: the reading of its
+        # micro-batch means (_read_micro_means) says at WARNING whether the update averages token means of uneven counts
+        _log.info("zerofix: %s's loss is independent of num_items_in_batch (its forward computes its own mean, not through "
+                  "a loss function zerofix can hand the count): zerofix stopped handing it the count at optimizer step %d "
+                  "and ran that micro-batch again without it; from there each step is scaled as a micro-batch mean is "
+                  "(the Trainer's own path, or zerofix's plan where the release divides twice)", name, at)
         return
     _warn_main(step.trainer, "zerofix: %s was handed num_items_in_batch at optimizer step %d, but whether its loss is "
                "divided by it cannot be told (%s): that micro-batch ran again without the count, as the Trainer runs "
@@ -628,9 +698,7 @@ def backward(wrapped, accelerator, args, kwargs):
     if step.handed:
         _check_handed(step, verdict, details)
         if step.redo:  # no backward of a loss the handed count changed: training_step runs the micro-batch again
-            if step.state.means is not None:
-                _stop_reading_means(step)
-            return None
+            return None  # (and the run again, no longer handed, is what the micro-batch-mean reading reads)
     decided = _decide(accelerator, step, verdict, loss, kwargs)
     step.call, step.plan = decided.call, decided.plan
     plan = decided.plan
@@ -702,6 +770,9 @@ def _read_micro_means(step: TrainerStep, verdict, loss) -> None:
     term = (f"a {kind} over {', '.join(map(str, counts))} elements in {where} {len(counts)} micro-batches"
             + (f" over {world} processes" if world > 1 else ""))
     said, tail = _means_said(step, term, rescaled, coincided)
+    if state.unreached:  # issue 59: the head whose own mean it is, which no count reaches, named
+        said = (f"(computed by {state.unreached}, which takes no count: zerofix handed it num_items_in_batch and its "
+                f"forward computes its own token mean, not through a loss function zerofix can hand it) {said}")
     details = _details_of(trainer)
     details["micro_batch_mean"] = said
     _note(details, "micro-batch mean term: mean of micro-batch means")
@@ -742,19 +813,20 @@ def _means_said(step: TrainerStep, term: str, rescaled, coincided) -> tuple[str,
     if _user_statement(state) is None and not state.stated:  # rescaled unstated, said when the first window ended
         return (f"averages a term over its own micro-batch ({term}): zerofix scales it as a micro-batch mean (said "
                 f"above), {means} {gave}"), " " + _IF_ALREADY_DIVIDED
-    return (f"averages a term over its own micro-batch ({term}); {_statement_source(state)} says what it is, so zerofix "
+    return (f"averages a term over its own micro-batch ({term}); as stated by {_statement_source(state)}, zerofix "
             f"scales it as {'a micro-batch mean' if step.call.loss_is_mean else 'per accumulation window'} and the "
             f"update averages micro-batch means {gave} where one batch of the window's size takes one mean; zerofix "
             "cannot hand that term a count"), ""
 
 
 def _statement_source(state: Known) -> str:
-    """Who said what the loss is, in words: the user's statement (the API or the environment), else the trainer's."""
+    """Who said what the loss is, in words: the user's statement (the API or the environment), else the trainer's or
+    the model's own attributes."""
     if state.statement is not None:
         return f"zerofix.loss_is_scaled_for_ga(trainer, {state.statement})"
     if state.env_statement is not None:
         return f"{decision.STATEMENT}={int(state.env_statement)}"
-    return "the trainer's own attributes (loss_is_scaled_for_ga, model_accepts_loss_kwargs)"
+    return "the trainer's or the model's own attributes (loss_is_scaled_for_ga, accepts_loss_kwargs)"
 
 
 def _stop_reading_means(step: TrainerStep) -> None:

@@ -1,0 +1,96 @@
+"""Issue 59, item 1: the vision-language heads that compute their own token mean inside ``forward`` on transformers
+4.57 - 5.3, as real Trainer runs (tiny random models of each class from its shipped config, text samples with uneven
+label counts, GAS 4 x batch 2, one SGD step; 1 process, and 2 DDP ranks on 5.3), unpatched and patched:
+
+- Qwen3-VL and GLM-4V (4.57 and 5.3) and Qwen3.5 (5.3) take the count in their ``**kwargs`` and call
+  ``self.loss_function(...)`` without it: unpatched a mean of micro-batch means (and 5.3's second division), patched
+  the window's token mean (zerofix hands the count to the loss function the head already calls, and keeps it where the
+  step's loss is divided by it: ``trainer_scaling.CountToLoss``);
+- Gemma 3 (4.57 and 5.3) computes an inline ``nn.CrossEntropyLoss()``: no count reaches it, so the update stays the
+  mean of micro-batch means (5.3's second division undone), and one WARNING names the head and the mean of means.
+"""
+from __future__ import annotations
+
+import pytest
+
+from zerofix.check import parity, runner
+
+pytestmark = pytest.mark.distributed
+ENTRY = "transformers-trainer-scaling"
+EXACT = 1e-5
+HEADS = {"Qwen3VLConfig": "Qwen3VLForConditionalGeneration", "Glm4vConfig": "Glm4vForConditionalGeneration",
+         "Qwen3_5Config": "Qwen3_5ForConditionalGeneration", "Gemma3Config": "Gemma3ForConditionalGeneration"}
+# the multimodal rotary sections as the Hub's configs write them (the classes' defaults are sized for a full head)
+MROPE = {"Qwen3VLConfig": {"mrope_section": [24, 20, 20], "mrope_interleaved": True},
+         "Glm4vConfig": {"mrope_section": [8, 12, 12]}}
+REACHED = {"2026-04": ("Qwen3VLConfig", "Glm4vConfig", "Qwen3_5Config"), "2025-10": ("Qwen3VLConfig", "Glm4vConfig")}
+
+
+def shipped(config_class: str, folder):
+    """The class's shipped config (its defaults, ``architectures`` set), as a model directory."""
+    import transformers
+
+    config = getattr(transformers, config_class)()
+    config.architectures = [HEADS[config_class]]
+    text = getattr(config, "text_config", None)
+    if config_class in MROPE and text is not None:
+        rope = {"rope_type": "default", "rope_theta": getattr(text, "rope_theta", None) or 10000.0,
+                **MROPE[config_class]}
+        for key in ("rope_scaling", "rope_parameters"):
+            if hasattr(text, key):
+                setattr(text, key, dict(rope))
+    config.save_pretrained(folder)
+    return folder
+
+
+def cells(stack: str, tmp_path) -> list[dict]:
+    from zerofix.check import usermodel
+
+    out = []
+    for name in REACHED[stack] + ("Gemma3Config",):
+        kind, described = usermodel.prepare(shipped(name, tmp_path / name), tmp_path / f"tiny-{name}")
+        assert described["class"] == HEADS[name], described
+        cell = {"name": name, "model": kind, "gas": 4, "lr": 5.0}
+        if name == "Gemma3Config":  # its own mean: the reference it reaches is the mean of the micro-batch means
+            cell.update(loss_modes="batch-mean", unpatched_mode="token-mean")
+        out.append(cell)
+    return out
+
+
+def run(stack, tmp_path, nproc, names=None):
+    chosen = [c for c in cells(stack, tmp_path) if names is None or c["name"] in names]
+    request = parity.trainer_request(chosen, nproc=nproc, name=f"own-mean-heads-{nproc}")
+    return chosen, runner.alone(request, tmp_path / f"run{nproc}")
+
+
+@pytest.mark.stack("2026-04", "2025-10")
+def test_own_mean_heads_reach_the_token_mean_or_are_named(stack, tmp_path):
+    chosen, results = run(stack, tmp_path, 1)
+    for cell in chosen:
+        name, result = cell["name"], results[cell["name"]]
+        bug, fixed = result["unpatched"], result["patched"]
+        runtime = fixed["rank_runtime"][0][ENTRY][-1]
+        warned = [w for w in fixed["warnings"][0] if w.startswith("zerofix:")]
+        print(f"{name} on {stack}: unpatched {bug['ratio']:.4f} (rel {bug['rel_err']:.3g}), patched {fixed['ratio']:.4f} "
+              f"(rel {fixed['rel_err']:.3g}); {runtime.get('loss')}")
+        if name == "Gemma3Config":  # no count reaches its inline cross-entropy: the mean of means, named at WARNING
+            as_bug = result["unpatched_as_bug"]  # unpatched against the token mean: the mean of means (and 5.3's / 4)
+            assert as_bug["rel_err"] > 0.05, as_bug
+            assert fixed["rel_err"] < EXACT, fixed  # the mean of micro-batch means, exactly
+            said = [w for w in warned if "averages a term over its own micro-batch" in w]
+            assert len(said) == 1 and "computed by Gemma3ForConditionalGeneration, which takes no count" in said[0], warned
+            if stack == "2025-10":
+                assert fixed["bitwise_as_unpatched"] is True, fixed
+            continue
+        assert bug["rel_err"] > 0.05, (name, bug)  # a mean of micro-batch means (5.3: also divided twice)
+        assert fixed["rel_err"] < EXACT, (name, fixed)  # the window's token mean
+        assert runtime["steps_divided"] >= 4 and "stopped" not in runtime.get("count_handed", ""), (name, runtime)
+        assert not [w for w in warned if "averages a term" in w], (name, warned)
+
+
+@pytest.mark.stack("2026-04")
+def test_own_mean_heads_on_two_processes(stack, tmp_path):
+    chosen, results = run(stack, tmp_path, 2, names=("Qwen3VLConfig", "Qwen3_5Config"))
+    for cell in chosen:
+        bug, fixed = results[cell["name"]]["unpatched"], results[cell["name"]]["patched"]
+        assert bug["rel_err"] > 0.05 and fixed["rel_err"] < EXACT, (cell["name"], bug, fixed)
