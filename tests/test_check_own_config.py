@@ -215,6 +215,7 @@ def test_model_builds_a_tiny_sequence_classifier(tmp_path, config, cls):
     assert (described["class"], described["task"]) == (cls, "sequence") and models.task_of(kind) == "sequence"
     model = models.build_model(kind, seed=0)
     assert type(model).__name__ == cls and model.config.num_labels == models.NUM_LABELS
+    assert usermodel.NUM_LABELS == models.NUM_LABELS and usermodel.TYPED == models.TYPED  # the constants they share
     batch = models.collate([0, 1, 2, 3], task="sequence")
     loss_sum, count = models.loss_sum(kind, model, batch)
     assert count == 4 and torch.isfinite(loss_sum)

@@ -16,6 +16,7 @@ from zerofix.check.userconfig import HIDDEN, ConfigError
 
 VOCAB = 64  # zerofix.check.models.VOCAB: the samples' token ids are below it
 NUM_LABELS = 3  # zerofix.check.models.NUM_LABELS: the samples' classes (tests/test_check_own_config.py ties the two)
+TYPED = "token-typed"  # zerofix.check.models.TYPED: a head that requires token types in training (the same test ties it)
 # Sizes, by every name the architectures in transformers use for them
 SHRINK = {
     ("hidden_size", "n_embd", "d_model"): HIDDEN,
@@ -270,13 +271,11 @@ def _needs_token_types(model) -> bool:
     on transformers 4.57 - 5.3: "token_type_ids is required as a model input when training"): read from its behaviour."""
     import torch
 
-    from zerofix.check import models
-
-    batch = models.collate([0, 1])
+    ids = torch.arange(2 * 8).reshape(2, 8) % (VOCAB - 1) + 1
     model.train()
     try:
         with torch.no_grad():
-            model(**batch)
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
     except Exception as exc:  # noqa: BLE001 - any refusal naming the token types
         return "token_type_ids" in str(exc)
     return False
@@ -296,8 +295,6 @@ def prepare(path, out_dir: Path) -> tuple[str, dict]:
     if _adds_router_loss(model):
         config["_zerofix_loss"] = "moe"  # the reference weights the router's auxiliary loss as one big batch
     if config.get("_zerofix_task", "token") == "token" and _needs_token_types(model):
-        from zerofix.check.models import TYPED
-
         config["_zerofix_task"] = TYPED
     out_dir.mkdir(parents=True, exist_ok=True)
     file = out_dir / "tiny-model-config.json"
