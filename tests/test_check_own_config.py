@@ -113,7 +113,9 @@ def test_bad_configurations_name_the_fix(tmp_path, config, kwargs, message):
 
 @pytest.mark.parametrize("argv, message", [
     (["--gas", "4"], "--gas describes your own run, which needs its DeepSpeed config too: add --deepspeed"),
-    (["--model", "m", "--gas", "2"], "--gas and --model describe your own run"),
+    (["--model", "m", "--bf16"], "--bf16 describes your own run"),  # --model and --gas alone run (issue 59)
+    (["--model", "m", "--quick"], "--quick runs the built-in scenarios; leave it out with --model"),
+    (["--model", "/nonexistent/model"], "--model /nonexistent/model"),
     (["--deepspeed", "{ds}", "--gas", "0"], "argument --gas: 0 is not a positive number"),
     (["--deepspeed", "{bad}"], "not valid JSON (Expecting property name enclosed in double quotes, line 1, column 2); "
                                "give the DeepSpeed config file your run passes"),
@@ -745,3 +747,25 @@ def test_the_trainer_log_says_what_the_switch_decided_once_it_knows():
     lines = trainer_report.switch_lines([scaling, switch], seen)
     assert len(lines) == 3 and trainer_report.switch_lines([scaling, switch], seen) == []
     assert "routes LlamaForCausalLM" in lines[0] and "Bart" in lines[1] and "stands aside for DPOTrainer" in lines[2]
+
+
+@pytest.mark.distributed
+@pytest.mark.stack("2026-04")
+def test_the_doctor_takes_a_model_without_a_deepspeed_config(tmp_path):
+    """Issue 59, item 4: ``zerofix check --model DIR`` alone trains the model's class on one process and with DDP, the
+    Trainer as the user's run has it (no DeepSpeed): Qwen3-VL on transformers 5.3, a head the Trainer never hands the
+    count whose loss function its forward calls without it, shows its mean-of-means row fixed."""
+    import transformers
+
+    config = transformers.Qwen3VLConfig()
+    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    config.text_config.rope_parameters = {"rope_type": "default", "rope_theta": 5000000.0,
+                                          "mrope_section": [24, 20, 20], "mrope_interleaved": True}  # as the Hub's
+    config.save_pretrained(tmp_path / "model")
+    document = check_json(tmp_path, "--model", str(tmp_path / "model"))
+    assert document["exit_code"] == 0, document
+    assert verdicts(document) == {"trainer-1proc-causal-lm": "fixed by transformers-trainer-scaling",
+                                  "trainer-ddp-causal-lm": "fixed by transformers-trainer-scaling"}
+    for row in document["scenarios"]:
+        assert row["unpatched"]["rel_err"] > 0.05 and row["patched"]["rel_err"] < 1e-5, row
+    assert document["configuration"]["model"]["class"] == "Qwen3VLForConditionalGeneration"

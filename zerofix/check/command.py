@@ -79,8 +79,14 @@ def main(args, parser) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="zerofix-check-"))
     found = versions()
     try:
-        user = _user(args, nproc, workdir) if args.deepspeed else None
         fsdp = plan.fsdp_setup(args.fsdp_config) if args.fsdp_config else None
+        if args.deepspeed:
+            user = _user(args, nproc, workdir)
+        elif args.model:  # issue 59, item 4: the user's model on one process, DDP (and FSDP2 with --fsdp-config)
+            user = plan.model_setup(args.model, workdir=workdir, gas=args.gas, fsdp_config=fsdp)
+            fsdp = None if user["fsdp_config"] is None else fsdp
+        else:
+            user = None
         rows = plan.select(only=_names(args.only) or (["trainer-fsdp2-*"] if fsdp else None), skip=_names(args.skip),
                            quick=args.quick, rows=user["rows"] if user else None)
     except (plan.UsageError, userconfig.ConfigError) as exc:
@@ -96,7 +102,7 @@ def main(args, parser) -> int:
     start = time.time()
     print(report.header(found, nproc), flush=True)
     if user:
-        print(report.user_header(user), flush=True)
+        print(report.user_header(user) if "config" in user else report.model_header(user), flush=True)
     if fsdp:
         print(f"your FSDP configuration: {args.fsdp_config}: {json.dumps(fsdp['fsdp_config'], sort_keys=True)}",
               flush=True)
@@ -123,11 +129,13 @@ def main(args, parser) -> int:
         _remove(workdir, args)
     document = {"versions": found, "nproc": nproc, "quick": args.quick, "seconds": round(seconds, 1),
                 "exit_code": code, "scenarios": results, "timings": timings}
-    if user:
+    if user and "config" in user:
         cfg = user["config"]
         document["configuration"] = {"file": cfg.path, "resolved": cfg.ds, "summary": cfg.summary(),
                                      "notes": list(cfg.notes), "unreproducible": list(cfg.unreproducible),
                                      "model": user["described"]}
+    elif user:  # --model alone
+        document["configuration"] = {"model": user["described"], "gas": user["gas"]}
     if args.plot:
         from zerofix.check import curves
 
@@ -141,12 +149,17 @@ def main(args, parser) -> int:
 
 def _check_arguments(args, parser) -> int:
     """Every usage error found now, not after minutes of runs; returns the number of ranks."""
-    own = [f"--{name.replace('_', '-')}" for name in ("gas", "bf16", "fp16", "model", "trainer_args")
+    own = [f"--{name.replace('_', '-')}" for name in ("bf16", "fp16", "trainer_args")
            if getattr(args, name) not in (None, False)]
+    if args.gas is not None and not args.model:
+        own.insert(0, "--gas")
     if own and not args.deepspeed:
         said = " and ".join(own)
         parser.error(f"{said} {'describes' if len(own) == 1 else 'describe'} your own run, which needs its DeepSpeed "
-                     f"config too: add --deepspeed DS_CONFIG.json (or leave out {said} for the built-in scenarios)")
+                     f"config too: add --deepspeed DS_CONFIG.json (or leave out {said} for the built-in scenarios; "
+                     "--model and --gas run without it: the Trainer on one process and DDP)")
+    if args.model and args.quick:
+        parser.error("--quick runs the built-in scenarios; leave it out with --model")
     if args.deepspeed and args.quick:
         parser.error("--quick runs the built-in scenarios; leave it out with --deepspeed")
     if args.fsdp_config and (args.deepspeed or args.quick):
@@ -177,12 +190,14 @@ def _list(args, parser) -> int:
     """The rows a run with these arguments would train: the built-in scenarios, or with --deepspeed the rows for
     that configuration (its --model built, so a classifier lists its own Trainer row)."""
     rows, user = plan.SCENARIOS, None
-    if args.deepspeed:
+    if args.deepspeed or args.model:
         workdir = Path(tempfile.mkdtemp(prefix="zerofix-check-list-"))
         try:
-            user = _user(args, args.nproc or 2, workdir)
+            fsdp = plan.fsdp_setup(args.fsdp_config) if args.fsdp_config and not args.deepspeed else None
+            user = (_user(args, args.nproc or 2, workdir) if args.deepspeed else
+                    plan.model_setup(args.model, workdir=workdir, gas=args.gas, fsdp_config=fsdp))
             rows = user["rows"]
-        except userconfig.ConfigError as exc:
+        except (userconfig.ConfigError, plan.UsageError) as exc:
             parser.error(str(exc))
         finally:
             import shutil

@@ -459,9 +459,19 @@ def planner(job):
     return PLANNERS.get(job.name) or {"trainer": trainer, "accelerate": accelerate}[job.name.split("-", 1)[0]]
 
 
+def your_model(job, rows, nproc, timeout, workdir, user):
+    """``--model`` without ``--deepspeed`` (plan.model_setup): the built-in Trainer rows, training the user's model."""
+    cells = [{"name": model_of(r.name), "model": user["model"], "gas": user["gas"],
+              "samples": WINDOWS * user["gas"] * BATCH * nproc} for r in rows]
+    return trainer(job, rows, nproc, timeout, workdir, cells=cells,
+                   fsdp_config=user.get("fsdp_config") if job.fsdp else None)
+
+
 def plan(job, rows, nproc: int, timeout: float, workdir: Path, user: dict | None = None) -> Planned:
     if job.name in USER_PLANNERS:
         return USER_PLANNERS[job.name](job, rows, nproc, timeout, Path(workdir), user)
+    if user and "config" not in user and user.get("model") and job.name.startswith("trainer-"):
+        return your_model(job, rows, nproc, timeout, Path(workdir), user)
     if job.fsdp and user and user.get("fsdp_config") is not None:  # --fsdp-config: the user's FSDP settings
         return trainer(job, rows, nproc, timeout, Path(workdir), fsdp_config=user["fsdp_config"])
     return planner(job)(job, rows, nproc, timeout, Path(workdir))

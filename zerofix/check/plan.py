@@ -278,6 +278,28 @@ def skip_reason(job: Job, nproc: int, found: dict, unreproducible=()) -> str | N
     return None
 
 
+def model_setup(model_path, *, workdir: Path, gas=None, fsdp_config=None) -> dict:
+    """``zerofix check --model PATH`` without ``--deepspeed`` (issue 59, item 4): the user's model class as a tiny random
+    instance, trained by the Trainer on one process and with DDP (and FSDP2 with ``--fsdp-config``), unpatched and
+    patched against the reference: for a head the Trainer never hands the count, its mean-of-means row. Raises
+    userconfig.ConfigError for a model that cannot be built."""
+    from zerofix.check import userconfig, usermodel
+    from zerofix.check.jobs import TRAINER_GAS
+
+    if not installed_version("transformers") or not installed_version("torch"):
+        raise userconfig.ConfigError("--model builds a transformers model: install torch and transformers")
+    model, described = usermodel.prepare(model_path, workdir / "model")
+    task, name = described["task"], described["class"]
+    suffix = "seq-cls" if task == "sequence" else "causal-lm"
+    fixes = MOE_FIXES if described.get("moe") else TRAINER_FIXES
+    gas = gas or TRAINER_GAS
+    jobs = [("trainer-1proc", "1 process"), ("trainer-ddp", "DDP")] + ([("trainer-fsdp2", "FSDP2 (accelerate)")]
+                                                                       if fsdp_config else [])
+    rows = [Scenario(f"{job}-{suffix}", job, f"Trainer, GAS={gas}, {where}, your {name}", fixes) for job, where in jobs]
+    return {"model": model, "described": described, "task": task, "tied": described["tied_head"], "gas": gas,
+            "rows": rows, "fsdp_config": fsdp_config["fsdp_config"] if fsdp_config else None}
+
+
 def user_setup(deepspeed, *, nproc: int, workdir: Path, gas=None, bf16=False, fp16=False, trainer_args=None,
                model_path=None) -> dict:
     """Resolve a user's DeepSpeed config file (``--deepspeed``, with ``--gas``, ``--bf16``, ``--fp16``,

@@ -20,6 +20,15 @@ def user_header(user: dict) -> str:
     return "\n".join(lines)
 
 
+def model_header(user: dict) -> str:
+    """``--model`` without ``--deepspeed``: the model the Trainer rows train."""
+    d = user["described"]
+    return (f"your model: a tiny random {d['class']} ({d['model_type']}, {'tied' if d['tied_head'] else 'untied'} head, "
+            f"{d['parameters']} parameters) from {d['source']}; the Trainer trains it at GAS={user['gas']} on one "
+            "process and with DDP" + (" and FSDP2 (your --fsdp-config)" if user.get("fsdp_config") is not None else "")
+            + ", no DeepSpeed")
+
+
 def _op_built(extensions_dir: str) -> bool:
     import glob
 
