@@ -26,7 +26,8 @@ DDP, DeepSpeed ZeRO-0..3, FSDP1, FSDP2; elsewhere it stands aside and says "not 
 - ``count_never_handed``: a model whose class says ``accepts_loss_kwargs = False`` (27 generation heads of 5.24) is
   handed the count (the Trainer's ``model_accepts_loss_kwargs`` is True inside its ``get_batch_samples`` and
   ``training_step``), and every step checks that its loss is divided by it; otherwise upstream's mean of means
-  comes back for the run, warned (issue 47).
+  comes back for the run, warned (issue 47). Where the head's forward takes the count and calls its loss function
+  without it (Qwen3-VL, GLM-4V on 4.57 - 5.6), the loss function gets it for the step (``CountToLoss``, issue 59).
 
 The verdict: a loss the Trainer believes per window, with no explicit statement, that is *independent* of
 ``num_items_in_batch`` is a micro-batch mean (said at WARNING once a run where zerofix rescales it: a user's own
