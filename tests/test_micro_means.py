@@ -114,6 +114,8 @@ NllTrainer(model=model, args=args, train_dataset=samples, data_collator=lambda r
 from zerofix.fixes import trainer_scaling
 if RANK == 0:
     print("RESULT" + json.dumps({"records": records, "details": trainer_scaling.runtime_details()}, default=str))
+if WORLD > 1:  # every rank leaves the group before the interpreter ends (gloo otherwise aborts on the way out)
+    torch.distributed.destroy_process_group()
 """
 
 

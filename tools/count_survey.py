@@ -136,7 +136,7 @@ def verdict_of(cls) -> str:
     for to_loss in (False, True):
         count = num_items_watch.watch(counted)
         try:
-            with torch.no_grad(), CountToLoss(model if to_loss else None, count):
+            with torch.no_grad(), CountToLoss(model if to_loss else None):
                 out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, num_items_in_batch=count)
             loss = out["loss"] if isinstance(out, dict) else out[0]
             verdict = num_items_watch.decide(loss).state

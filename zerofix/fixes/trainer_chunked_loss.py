@@ -406,10 +406,11 @@ def _wrappers(model, target) -> list:
 
 
 def _user_hooks(module, pre: bool = True) -> bool:
-    """Forward hooks on ``module`` that no engine set (DeepSpeed's ZeRO-3 and FSDP hook every module); ``pre``: its
+    """Forward hooks on ``module`` that no engine (nor zerofix's Trainer entry) set (DeepSpeed's ZeRO-3 and FSDP hook every
+    module); ``pre``: its
     pre-hooks too (they see the inputs only, which the route passes on as they are)."""
     hooks = [*module._forward_hooks.values(), *(module._forward_pre_hooks.values() if pre else ())]
-    return any(not getattr(h, "__module__", "").startswith(("deepspeed", "torch.distributed", "accelerate"))
+    return any(not getattr(h, "__module__", "").startswith(("deepspeed", "torch.distributed", "accelerate", "zerofix"))
                for h in hooks)
 
 

@@ -318,21 +318,24 @@ def _inner(trainer, model):
 
 
 class CountToLoss:
-    """For one handed step (issue 59): the model's ``loss_function`` gets ``num_items_in_batch`` where the forward that
-    calls it does not pass it. Qwen3-VL and GLM-4V on transformers 4.57 - 5.3 and Qwen3.5 on 5.3 take the count in their
-    ``**kwargs`` and call ``self.loss_function(logits=..., labels=..., vocab_size=...)`` without it, so the count the
-    Trainer hands never reaches the loss and each micro-batch takes its own token mean. Whether the loss is then
+    """For one handed step (issue 59): the count the model's forward is called with reaches the ``loss_function`` that
+    forward calls without it. Qwen3-VL and GLM-4V on transformers 4.57 - 5.6 and Qwen3.5 on 5.3 - 5.6 take the count in
+    their ``**kwargs`` and call ``self.loss_function(logits=..., labels=..., vocab_size=...)`` without it, so the count
+    the Trainer hands never reaches the loss and each micro-batch takes its own token mean. Whether the loss is then
     divided by the count is the step's verdict, as for any handed head (``_check_handed``): kept where it is, the step run
-    again without the count where it is not. A call that passes the count itself (5.24's heads) is left as it is, and
-    so is a loss function that takes no count (its signature has neither ``num_items_in_batch`` nor ``**kwargs``).
-    The model's own ``_loss_function`` (a user's, set through the property) is what gets the count, and is put back."""
+    again without the count where it is not. The count is the one the model's own call carries (a forward pre-hook
+    reads it; a call without one, such as the chunked-loss switch's proof of its route, gets none), a call that passes
+    the count itself (5.24's heads) is left as it is, and so is a loss function that takes no count (its signature has
+    neither ``num_items_in_batch`` nor ``**kwargs``). The model's own ``_loss_function`` (a user's, set through the
+    property transformers provides) is what gets the count, and it, the hooks and the rest are put back after the step.
+    ``model`` None: nothing is done."""
 
-    def __init__(self, model, count):
-        self.model, self.count, self.kept = model, count, None
+    def __init__(self, model):
+        self.model, self.kept, self.hooks = model, None, ()
 
     def __enter__(self):
-        model, count = self.model, self.count
-        if count is None or not isinstance(inspect.getattr_static(type(model), "loss_function", None), property):
+        model = self.model
+        if model is None or not isinstance(inspect.getattr_static(type(model), "loss_function", None), property):
             return self
         try:
             original = model.loss_function
@@ -343,22 +346,33 @@ class CountToLoss:
         if "num_items_in_batch" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
             return self
         position = names.index("num_items_in_batch") if "num_items_in_batch" in names else None
+        current = [None]  # the count of the model call under way
+
+        def called(module, args, kwargs):
+            current[0] = kwargs.get("num_items_in_batch")
+
+        def returned(module, args, kwargs, output):
+            current[0] = None
 
         def with_count(*args, **kwargs):
-            if kwargs.get("num_items_in_batch") is not None:
+            count = current[0]
+            if count is None or kwargs.get("num_items_in_batch") is not None:
                 return original(*args, **kwargs)
             if position is not None and position < len(args):
                 if args[position] is not None:
                     return original(*args, **kwargs)
-                args = (*args[:position], count, *args[position + 1:])
-                return original(*args, **kwargs)
+                return original(*args[:position], count, *args[position + 1:], **kwargs)
             return original(*args, **{**kwargs, "num_items_in_batch": count})
 
         self.kept = (vars(model).get("_loss_function"), "_loss_function" in vars(model))
         model.loss_function = with_count
+        self.hooks = (model.register_forward_pre_hook(called, with_kwargs=True),
+                      model.register_forward_hook(returned, with_kwargs=True))
         return self
 
     def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
         if self.kept is None:
             return
         value, had = self.kept
@@ -410,8 +424,7 @@ def training_step(wrapped, trainer, args, kwargs):
     model = plain[0][0] if plain[0] else plain[1].get("model")
     before = replay.Point(model) if step.handed else None
     try:
-        with _Handing(trainer, step.handed), CountToLoss(_inner(trainer, model) if step.handed else None,
-                                                         _num_items_arg(args, kwargs)):
+        with _Handing(trainer, step.handed), CountToLoss(_inner(trainer, model) if step.handed else None):
             result = num_items_watch.unwatched(wrapped(*args, **kwargs))  # the Trainer's running loss stays plain
     finally:
         accelerator.__dict__.pop(_STEP, None)
