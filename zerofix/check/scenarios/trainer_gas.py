@@ -36,10 +36,10 @@ COUNT_ROWS = DIVISOR_ROUTES + ("deepcopy-model", "plus-zero", "plus-zero-mean", 
 # Issue 51's rows. The token sum divided by the count through an identity real code writes (divided): a chunked sum
 # started from a Python 0, Python's sum(), an accumulator from n.new_zeros(()); s / (n + 1e-8), s / maximum(n, 1),
 # where(n > 0, s / n, 0 * s), nan_to_num(s / n). zeros-like-mean: the micro-batch mean plus torch.zeros_like(n)
-# (independent). A loss that says what it is: steps-divided-mean, the micro-batch mean divided by
-# gradient_accumulation_steps where the Trainer hands the count (ms-swift's RLHF trainers); times-steps, the model's
-# loss times the steps, and count-over-steps, the model handed n / steps (hand fixes of 5.2 - 5.5.3's second
-# division). plus-z-loss: the model's loss plus 0.01 times a z-loss of its logits (a sum of two powers: unknown).
+# (independent). A value equal to the steps (issue 58: a coincidence, not a statement): steps-divided-mean, the
+# micro-batch mean divided by gradient_accumulation_steps where the Trainer hands the count (ms-swift's RLHF trainers);
+# times-steps, the model's loss times the steps, and count-over-steps, the model handed n / steps (hand fixes of 5.2 -
+# 5.5.3's second division, or loss weights). plus-z-loss: the model's loss plus 0.01 times a z-loss of its logits (a sum of two powers: unknown).
 IDIOM_ROWS = ("sum-from-zero", "python-sum", "new-zeros-sum", "plus-eps", "maximum-one", "where-positive",
               "nan-to-num")
 STATED_ROWS = ("zeros-like-mean", "steps-divided-mean", "times-steps", "count-over-steps", "plus-z-loss")
