@@ -113,7 +113,7 @@ def summary_lines(records, *, deepspeed: bool = True, trl: bool = True, path=Non
     # a switch (the chunked loss) decides per model at the first step, and an entry that acts only where the run uses
     # what it fixes (an MoE router loss, TRL's own GRPO loss) is named once a step did: said then (switch_lines,
     # used_lines), never here
-    later = _switch_ids() | _used_ids()
+    later = _switch_ids() | set(_used())
     acting = [r for r in applied if acts_in(r, deepspeed=deepspeed, trl=trl) and r.id not in later]
     aside = [r for r in acting if r.dist == "transformers"] if path is not None and not path.covered else []
     acting = [r for r in acting if r not in aside]
@@ -194,10 +194,11 @@ def _switch_ids() -> set:
     return {f.id for f in catalogue.FIXES if f.switch}
 
 
-def _used_ids() -> set:
+def _used() -> dict:
+    """The catalogue's entries that act only where a run uses what they fix (``Fix.acts_when``), by id."""
     from zerofix import catalogue  # imports no ML library
 
-    return {f.id for f in catalogue.FIXES if f.acts_when}
+    return {f.id: f for f in catalogue.FIXES if f.acts_when}
 
 
 def used_lines(records, state, seen: set) -> list[str]:
@@ -205,9 +206,7 @@ def used_lines(records, state, seen: set) -> list[str]:
     whose TrainerState ``state`` is: what it did there, from its implementation's ``acted_in`` (issue 58, item 3)."""
     import sys
 
-    from zerofix import catalogue
-
-    used, lines = {f.id: f for f in catalogue.FIXES if f.acts_when}, []
+    used, lines = _used(), []
     for record in records:
         fix = used.get(record.id)
         if record.state != "applied" or fix is None or record.id in seen:
