@@ -114,8 +114,10 @@ NllTrainer(model=model, args=args, train_dataset=samples, data_collator=lambda r
 from zerofix.fixes import trainer_scaling
 if RANK == 0:
     print("RESULT" + json.dumps({"records": records, "details": trainer_scaling.runtime_details()}, default=str))
-if WORLD > 1:  # every rank leaves the group before the interpreter ends (gloo otherwise aborts on the way out)
-    torch.distributed.destroy_process_group()
+if WORLD > 1:  # barrier, leave the group, no interpreter teardown: gloo's threads otherwise sometimes abort on the
+    from zerofix.check.scenarios import finish  # way out (rank 1 SIGABRT in one CI run, after the result was printed)
+
+    finish()
 """
 
 
