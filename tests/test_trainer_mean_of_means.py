@@ -10,10 +10,12 @@ Qwen2.5-VL on text-only samples and on samples with an image (its tokens labelle
 micro-batch means (the ``unpatched_mode`` reference, to float32 rounding; 1/GAS of it on 5.3 without DeepSpeed), which
 is not the token mean (cosine below 0.99); patched:
 the one-big-batch token mean; so does a head whose forward takes the count and does not pass it on to its loss function
-(``own-mean-llama``, Qwen3-VL's pattern on 4.57 - 5.6: issue 59 hands the count to the loss function). A head whose
-forward computes its own mean inline (``inline-mean-llama``, Gemma 3's pattern) stays bitwise upstream's mean of means
-(its handed first micro-batch runs again without the count: issue 51), the trainer's details say the handing stopped,
-and one WARNING says the mean of means (issue 59).
+(``own-mean-llama``, Qwen3-VL's pattern on 4.57 - 5.6: issue 59 hands the count to the loss function), and so does a
+head whose forward computes its own mean inline (``inline-mean-llama``, Gemma 3's pattern: its mean is proven from the
+logits it returns and weighed by its tokens over the count, ``zerofix.own_mean``). A head with nothing to prove that
+mean from (``fused-mean-llama``: an inline mean that returns no logits) stays bitwise upstream's mean of means (its
+handed first micro-batch runs again without the count: issue 51), the trainer's details say the handing stopped, and
+one WARNING says the mean of means (issue 59).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from zerofix.check import parity
 
 pytestmark = pytest.mark.distributed
 STACKS = ("latest", "2026-04", "2025-10")
-HANDED = ("nokw-llama", "own-mean-llama", "vlm", "vlm-image")
+HANDED = ("nokw-llama", "own-mean-llama", "inline-mean-llama", "vlm", "vlm-image")
 GROUPS = {"1proc": dict(nproc=1), "ddp-2rank": dict(nproc=2), "zero2-2rank": dict(nproc=2, zero_stage=2),
           "zero3-2rank": dict(nproc=2, zero_stage=3), "fsdp2-2rank": dict(nproc=2, fsdp=2)}
 # Every engine runs on latest; the other stacks run one process and 2-rank engines (CI time). ZeRO-3 on 2026-04: its
@@ -47,7 +49,7 @@ def unpatched_scale(stack: str, group: str) -> float | None:
 
 def cells() -> list[dict]:
     out = [{"name": m, "model": m, "gas": 4, "lr": 5.0, "unpatched_mode": "batch-mean"} for m in HANDED]
-    out.append({"name": "inline-mean-llama", "model": "inline-mean-llama", "gas": 4, "lr": 5.0})
+    out.append({"name": "fused-mean-llama", "model": "fused-mean-llama", "gas": 4, "lr": 5.0})
     return out
 
 
@@ -73,7 +75,7 @@ def test_a_head_the_trainer_never_hands_the_count_trains_on_the_token_mean(ranks
         print(f"{where}: unpatched {bug['ratio']:.4f} cos {bug.get('cosine', float('nan')):.4f}, patched "
               f"{fixed['ratio']:.4f} rel_err {fixed['rel_err']:.2e}")
         assert all(s[ENTRY] == "applied" for s in fixed["rank_status"]), (where, fixed["rank_status"])
-        if name == "inline-mean-llama":  # no count reaches its loss: upstream's mean of means, bitwise, said
+        if name == "fused-mean-llama":  # no count reaches its loss, no logits prove it: upstream's mean of means, said
             if unpatched_scale(stack, group) is not None:
                 assert bug["ratio"] == pytest.approx(unpatched_scale(stack, group), rel=1e-5), (where, bug)
             assert fixed["rel_err"] < EXACT, (where, fixed)  # its reference is the mean of means
@@ -92,3 +94,4 @@ def test_a_head_the_trainer_never_hands_the_count_trains_on_the_token_mean(ranks
         # patched: the one-big-batch token mean
         assert fixed["rel_err"] < EXACT, (where, fixed)
         assert runtime.get("count_handed") and runtime["steps_divided"] >= 1, (where, runtime)
+        assert ("own_mean" in runtime) == (name == "inline-mean-llama"), (where, runtime)  # the route it took

@@ -6,8 +6,9 @@ label counts, GAS 4 x batch 2, one SGD step; 1 process, and 2 DDP ranks on 5.3),
   ``self.loss_function(...)`` without it: unpatched a mean of micro-batch means (and 5.3's second division), patched
   the window's token mean (zerofix hands the count to the loss function the head already calls, and keeps it where the
   step's loss is divided by it: ``trainer_scaling.CountToLoss``);
-- Gemma 3 (4.57 and 5.3) computes an inline ``nn.CrossEntropyLoss()``: no count reaches it, so the update stays the
-  mean of micro-batch means (5.3's second division undone), and one WARNING names the head and the mean of means.
+- Gemma 3 (4.57 and 5.3) computes an inline ``nn.CrossEntropyLoss()`` that no count reaches: zerofix proves at each
+  micro-batch that its loss is the mean cross-entropy of the logits it returns over the tokens its labels and attention
+  mask count, and weighs it by those tokens over the window's count (``zerofix.own_mean``): the window's token mean.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ HEADS = {"Qwen3VLConfig": "Qwen3VLForConditionalGeneration", "Glm4vConfig": "Glm
 # the multimodal rotary sections as the Hub's configs write them (the classes' defaults are sized for a full head)
 MROPE = {"Qwen3VLConfig": {"mrope_section": [24, 20, 20], "mrope_interleaved": True},
          "Glm4vConfig": {"mrope_section": [8, 12, 12]}}
-REACHED = {"2026-04": ("Qwen3VLConfig", "Glm4vConfig", "Qwen3_5Config"), "2025-10": ("Qwen3VLConfig", "Glm4vConfig")}
+REACHED = {"2026-04": ("Qwen3VLConfig", "Glm4vConfig", "Qwen3_5Config", "Gemma3Config"),
+           "2025-10": ("Qwen3VLConfig", "Glm4vConfig", "Gemma3Config")}
+INLINE = "Gemma3Config"  # its own inline mean: weighed as the window's share (zerofix.own_mean)
 
 
 def shipped(config_class: str, folder):
@@ -47,13 +50,10 @@ def cells(stack: str, tmp_path) -> list[dict]:
     from zerofix.check import usermodel
 
     out = []
-    for name in REACHED[stack] + ("Gemma3Config",):
+    for name in REACHED[stack]:
         kind, described = usermodel.prepare(shipped(name, tmp_path / name), tmp_path / f"tiny-{name}")
         assert described["class"] == HEADS[name], described
-        cell = {"name": name, "model": kind, "gas": 4, "lr": 5.0}
-        if name == "Gemma3Config":  # its own mean: the reference it reaches is the mean of the micro-batch means
-            cell.update(loss_modes="batch-mean", unpatched_mode="token-mean")
-        out.append(cell)
+        out.append({"name": name, "model": kind, "gas": 4, "lr": 5.0})
     return out
 
 
@@ -64,7 +64,7 @@ def run(stack, tmp_path, nproc, names=None):
 
 
 @pytest.mark.stack("2026-04", "2025-10")
-def test_own_mean_heads_reach_the_token_mean_or_are_named(stack, tmp_path):
+def test_own_mean_heads_reach_the_token_mean(stack, tmp_path):
     chosen, results = run(stack, tmp_path, 1)
     for cell in chosen:
         name, result = cell["name"], results[cell["name"]]
@@ -73,24 +73,18 @@ def test_own_mean_heads_reach_the_token_mean_or_are_named(stack, tmp_path):
         warned = [w for w in fixed["warnings"][0] if w.startswith("zerofix:")]
         print(f"{name} on {stack}: unpatched {bug['ratio']:.4f} (rel {bug['rel_err']:.3g}), patched {fixed['ratio']:.4f} "
               f"(rel {fixed['rel_err']:.3g}); {runtime.get('loss')}")
-        if name == "Gemma3Config":  # no count reaches its inline cross-entropy: the mean of means, named at WARNING
-            as_bug = result["unpatched_as_bug"]  # unpatched against the token mean: the mean of means (and 5.3's / 4)
-            assert as_bug["rel_err"] > 0.05, as_bug
-            assert fixed["rel_err"] < EXACT, fixed  # the mean of micro-batch means, exactly
-            said = [w for w in warned if "averages a term over its own micro-batch" in w]
-            assert len(said) == 1 and "computed by Gemma3ForConditionalGeneration, which takes no count" in said[0], warned
-            if stack == "2025-10":
-                assert fixed["bitwise_as_unpatched"] is True, fixed
-            continue
         assert bug["rel_err"] > 0.05, (name, bug)  # a mean of micro-batch means (5.3: also divided twice)
         assert fixed["rel_err"] < EXACT, (name, fixed)  # the window's token mean
         assert runtime["steps_divided"] >= 4 and "stopped" not in runtime.get("count_handed", ""), (name, runtime)
         assert not [w for w in warned if "averages a term" in w], (name, warned)
+        assert ("own_mean" in runtime) == (name == INLINE), (name, runtime)  # the route each head took
+        if name == INLINE:
+            assert "proven at each micro-batch" in runtime["own_mean"], runtime
 
 
 @pytest.mark.stack("2026-04")
 def test_own_mean_heads_on_two_processes(stack, tmp_path):
-    chosen, results = run(stack, tmp_path, 2, names=("Qwen3VLConfig", "Qwen3_5Config"))
+    chosen, results = run(stack, tmp_path, 2, names=("Qwen3VLConfig", "Qwen3_5Config", "Gemma3Config"))
     for cell in chosen:
         bug, fixed = results[cell["name"]]["unpatched"], results[cell["name"]]["patched"]
         assert bug["rel_err"] > 0.05 and fixed["rel_err"] < EXACT, (cell["name"], bug, fixed)

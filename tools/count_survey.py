@@ -6,8 +6,11 @@ attribute, whose forward takes ``**kwargs``). For every causal-LM and image/vide
 the installed transformers that says ``accepts_loss_kwargs = False``, this builds a tiny random instance from its
 config class's defaults (every size shrunk, sub-configs too), runs one forward on text-only samples with labels and
 a watched count (``zerofix.num_items_watch``), and prints the verdict: ``divided`` (zerofix hands it the count and
-the update becomes the window's token mean), ``independent`` (its forward computes its own mean: the mean of
-micro-batch means stays), ``unknown``, or ``not built`` (the tiny instance or its forward failed here; the reason).
+the update becomes the window's token mean), ``divided through its loss_function`` (the count handed on to the loss
+function the head calls), ``its own mean, weighed`` (an inline mean proven from the logits the head returns and
+weighed by its tokens over the count: ``zerofix.own_mean``), ``independent`` (its forward computes its own mean and
+nothing proves it: the mean of micro-batch means stays), ``unknown``, or ``not built`` (the tiny instance or its forward
+failed here; the reason).
 
     .venvs/<stack>/bin/python tools/count_survey.py            # the Markdown table of docs/count-survey.md
     .venvs/<stack>/bin/python tools/count_survey.py --check    # exit 1 when the docs' table for this stack differs
@@ -112,6 +115,7 @@ def tiny(cls):
 
 
 THROUGH_LOSS_FUNCTION = "divided through its loss_function"  # issue 59: the count handed to the loss the head calls
+OWN_MEAN_WEIGHED = "its own mean, weighed"  # issue 59: an inline mean proven from its logits (zerofix.own_mean)
 
 
 def verdict_of(cls) -> str:
@@ -132,11 +136,12 @@ def verdict_of(cls) -> str:
     labels = ids.clone()
     labels[0, 8:] = -100  # uneven counts
     counted = torch.tensor(int((labels[:, 1:] != -100).sum()))
-    verdict = None
+    verdict, weighed = None, []
     for to_loss in (False, True):
         count = num_items_watch.watch(counted)
         try:
-            with torch.no_grad(), CountToLoss(model if to_loss else None):
+            with torch.no_grad(), CountToLoss(model if to_loss else None,
+                                              proven=lambda name, proof: weighed.append(proof is not None)):
                 out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, num_items_in_batch=count)
             loss = out["loss"] if isinstance(out, dict) else out[0]
             verdict = num_items_watch.decide(loss).state
@@ -149,7 +154,7 @@ def verdict_of(cls) -> str:
         if to_loss is False:
             continue
     if verdict == "divided" and to_loss:
-        return THROUGH_LOSS_FUNCTION
+        return OWN_MEAN_WEIGHED if any(weighed) else THROUGH_LOSS_FUNCTION
     return verdict
 
 
@@ -175,6 +180,8 @@ def table(rows, others: int) -> str:
              "| head class | loss when handed the count | with zerofix |", "|---|---|---|"]
     effect = {"divided": "the window's token mean",
               THROUGH_LOSS_FUNCTION: "the window's token mean (zerofix hands the count to the loss function it calls)",
+              OWN_MEAN_WEIGHED: "the window's token mean (zerofix proves its mean from the logits it returns and "
+                                "weighs it by its tokens over the count)",
               "independent": "the mean of means stays, said at WARNING where micro-batches count differently",
               "unknown": "the mean of means stays, said at WARNING"}
     for name, verdict in rows:

@@ -14,7 +14,9 @@ The model kinds cover the Trainer's normalisation paths:
 - ``own-mean-llama``: the same flag, and a forward that takes the count and does not pass it on (Qwen3-VL's and GLM-4V's
   pattern on transformers 4.57 - 5.6: its loss function is called without it);
 - ``inline-mean-llama``: the same flag, and a forward computing its own token mean inline (Gemma 3's pattern: no loss
-  function a count could reach);
+  function a count could reach; zerofix proves it from the logits it returns and weighs it, ``zerofix.own_mean``);
+- ``fused-mean-llama``: the inline mean of a head that returns no logits when it is given labels (a fused head's
+  pattern): nothing zerofix could prove the mean from, so it stays a micro-batch mean;
 - ``vlm`` / ``vlm-image``: a tiny Qwen2_5_VLForConditionalGeneration (the flag False from transformers), on text-only
   samples, or on samples carrying one 2x2-patch image whose tokens are labelled -100.
 A sequence-level kind's samples carry one class label each (``TASK``).
@@ -32,7 +34,7 @@ SEQ = 12
 IGNORE = -100
 NUM_LABELS = 3
 MODEL_KINDS = ("causal-lm", "custom", "seq-cls-llama", "seq-cls-bert", "peft-seq-cls-llama", "moe", "nokw-llama",
-               "own-mean-llama", "inline-mean-llama", "vlm", "vlm-image")
+               "own-mean-llama", "inline-mean-llama", "fused-mean-llama", "vlm", "vlm-image")
 VLM_KINDS = ("vlm", "vlm-image")  # the tiny Qwen2.5-VL, on text only and with images
 # The tiny VLM's image: tokens 1..6 of a sample are <vision_start>, four image tokens (one per 2x2 patch) and
 # <vision_end>; its pixels are 4 patches of 3 x 2 x 2 values.
@@ -125,7 +127,7 @@ def build_model(kind: str, seed: int = 0, *, loss_only: bool = False) -> nn.Modu
             model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                      task_type="SEQ_CLS", init_lora_weights=False))
         return model
-    if kind in ("nokw-llama", "own-mean-llama", "inline-mean-llama"):
+    if kind in ("nokw-llama", "own-mean-llama", "inline-mean-llama", "fused-mean-llama"):
         return _no_count_llama(kind)
     if kind in VLM_KINDS:
         return _tiny_vlm()
@@ -170,7 +172,7 @@ def _llama_config():
 
 def _no_count_llama(kind: str) -> nn.Module:
     """LlamaForCausalLM saying ``accepts_loss_kwargs = False``; ``own-mean-llama`` also drops the count on its way to the
-    loss function, ``inline-mean-llama`` computes its token mean inline."""
+    loss function, ``inline-mean-llama`` computes its token mean inline, ``fused-mean-llama`` also returns no logits."""
     from transformers import LlamaForCausalLM
 
     class NoCountLlamaForCausalLM(LlamaForCausalLM):
@@ -187,8 +189,15 @@ def _no_count_llama(kind: str) -> nn.Module:
                 out["loss"] = next_token_ce(out.logits.float(), labels, "mean")
             return out
 
+    class FusedMeanLlamaForCausalLM(InlineMeanLlamaForCausalLM):
+        def forward(self, *args, labels=None, **kwargs):
+            out = super().forward(*args, labels=labels, **kwargs)
+            if labels is not None:  # its loss only, as a fused head returns it (no logits to read)
+                out = type(out)(loss=out.loss)
+            return out
+
     cls = {"nokw-llama": NoCountLlamaForCausalLM, "own-mean-llama": OwnMeanLlamaForCausalLM,
-           "inline-mean-llama": InlineMeanLlamaForCausalLM}[kind]
+           "inline-mean-llama": InlineMeanLlamaForCausalLM, "fused-mean-llama": FusedMeanLlamaForCausalLM}[kind]
     return cls(_llama_config())
 
 

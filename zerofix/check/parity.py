@@ -7,7 +7,7 @@ from pathlib import Path
 from zerofix.check import launch, runner
 
 TRAINER_GAS = "zerofix.check.scenarios.trainer_gas"
-LOSS_MODE = {"causal-lm": "token-mean", "custom": "batch-mean", "moe": "moe", "inline-mean-llama": "batch-mean"}
+LOSS_MODE = {"causal-lm": "token-mean", "custom": "batch-mean", "moe": "moe", "fused-mean-llama": "batch-mean"}
 # Trainer cells whose loss is computed by the Trainer's user, not the model (``loss`` of a cell): the
 # micro-batch mean of the causal LM's tokens, returned by a compute_loss override or a compute_loss_func.
 MEAN_LOSSES = ("subclass-mean", "func-mean", "plus-zero-mean", "times-positive", "plus-reg-mean", "zeros-like-mean",

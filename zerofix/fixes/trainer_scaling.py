@@ -83,7 +83,8 @@ import torch
 
 from accelerate.utils import DistributedType  # imported by the fixes only, once accelerate is
 
-from zerofix import decision, envvalues, micro_means, num_items_watch, paths, replay, scaling, trainer_report, versions
+from zerofix import (decision, envvalues, micro_means, num_items_watch, own_mean, paths, replay, scaling, trainer_report,
+                     versions)
 from zerofix.fixes.contract import Check, drifted, found
 from zerofix.identity import WeakIdentityMap
 
@@ -100,7 +101,7 @@ class Known:
 
     __slots__ = ("run", "path", "compiled", "verdict", "window", "stated", "statement", "details", "plans", "warned",
                  "handing", "counted", "env_statement", "means", "means_windows", "rescale_said", "coincidence_said",
-                 "unreached")
+                 "unreached", "own_mean")
 
     def __init__(self):
         self.run = None  # trainer.state of the run the facts below were read in (a new one at every train())
@@ -122,6 +123,7 @@ class Known:
         # read: where they find a micro-batch mean term, one WARNING says both
         self.coincidence_said = None  # the coincidence warning (zerofix.decision), held the same way
         self.unreached = None  # the head zerofix handed the count to whose loss did not take it (its own mean)
+        self.own_mean = None  # (head, proven): whether its inline mean was proven at its last micro-batch (own_mean)
 
 
 _known = WeakIdentityMap()  # trainer -> Known (by identity: a trainer need not hash)
@@ -210,7 +212,7 @@ def _new_run(trainer, state: Known, model) -> None:
     state.run, state.stated, state.plans, state.warned = run, None, {}, set()
     state.details, state.counted, state.env_statement = None, False, envvalues.loss_statement()
     state.means, state.means_windows, state.rescale_said, state.coincidence_said = [], 0, None, None
-    state.unreached = None
+    state.unreached = state.own_mean = None
     state.path = paths.trainer_path(trainer)
     state.compiled = _compiled(trainer, model)
     _say_local_batch_loss(trainer)
@@ -330,45 +332,78 @@ class CountToLoss:
     property transformers provides) is what gets the count, and it, the hooks and the rest are put back after the step.
     ``model`` None: nothing is done."""
 
-    def __init__(self, model):
-        self.model, self.kept, self.hooks = model, None, ()
+    def __init__(self, model, proven=None):
+        self.model, self.kept, self.hooks, self.proven = model, None, (), proven
 
     def __enter__(self):
         model = self.model
-        if model is None or not isinstance(inspect.getattr_static(type(model), "loss_function", None), property):
+        if model is None or not isinstance(model, torch.nn.Module):
             return self
+        current = [None, False]  # the count of the model call under way; whether its loss function took a count
+        original = self._loss_function(model)
+        if original is not None:
+            names = list(inspect.signature(original).parameters)
+            position = names.index("num_items_in_batch") if "num_items_in_batch" in names else None
+
+            def with_count(*args, **kwargs):
+                count = current[0]
+                if kwargs.get("num_items_in_batch") is not None:
+                    current[1] = True
+                    return original(*args, **kwargs)
+                if count is None:
+                    return original(*args, **kwargs)
+                current[1] = True
+                if position is not None and position < len(args):
+                    if args[position] is not None:
+                        return original(*args, **kwargs)
+                    return original(*args[:position], count, *args[position + 1:], **kwargs)
+                return original(*args, **{**kwargs, "num_items_in_batch": count})
+
+            self.kept = (vars(model).get("_loss_function"), "_loss_function" in vars(model))
+            model.loss_function = with_count
+
+        def called(module, args, kwargs):
+            current[0], current[1] = kwargs.get("num_items_in_batch"), False
+
+        def returned(module, args, kwargs, output):
+            count, took = current
+            current[0], current[1] = None, False
+            if count is not None and not took and self.proven is not None:
+                self._weigh_own_mean(type(module).__name__, kwargs, output, count)
+
+        self.hooks = (model.register_forward_pre_hook(called, with_kwargs=True),
+                      model.register_forward_hook(returned, with_kwargs=True))
+        return self
+
+    @staticmethod
+    def _loss_function(model):
+        """The model's loss function where a count can be handed to it (the property transformers provides, whose
+        signature takes ``num_items_in_batch`` or ``**kwargs``), else None."""
+        if not isinstance(inspect.getattr_static(type(model), "loss_function", None), property):
+            return None
         try:
             original = model.loss_function
             params = inspect.signature(original).parameters
         except Exception:  # noqa: BLE001 - a loss function this cannot read: left as it is
-            return self
-        names = list(params)
+            return None
         if "num_items_in_batch" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-            return self
-        position = names.index("num_items_in_batch") if "num_items_in_batch" in names else None
-        current = [None]  # the count of the model call under way
+            return None
+        return original
 
-        def called(module, args, kwargs):
-            current[0] = kwargs.get("num_items_in_batch")
-
-        def returned(module, args, kwargs, output):
-            current[0] = None
-
-        def with_count(*args, **kwargs):
-            count = current[0]
-            if count is None or kwargs.get("num_items_in_batch") is not None:
-                return original(*args, **kwargs)
-            if position is not None and position < len(args):
-                if args[position] is not None:
-                    return original(*args, **kwargs)
-                return original(*args[:position], count, *args[position + 1:], **kwargs)
-            return original(*args, **{**kwargs, "num_items_in_batch": count})
-
-        self.kept = (vars(model).get("_loss_function"), "_loss_function" in vars(model))
-        model.loss_function = with_count
-        self.hooks = (model.register_forward_pre_hook(called, with_kwargs=True),
-                      model.register_forward_hook(returned, with_kwargs=True))
-        return self
+    def _weigh_own_mean(self, name: str, kwargs: dict, output, count) -> None:
+        """A forward that returned a loss no count reached (an inline mean, Gemma 3's): where that loss is proven the
+        mean cross-entropy of the logits it returns over its micro-batch's counted tokens, it becomes its share of the
+        window's token mean (``zerofix.own_mean``); otherwise it is left as it is (the step's verdict: independent)."""
+        loss = getattr(output, "loss", None)
+        if loss is None:
+            return
+        proof = own_mean.prove(loss, getattr(output, "logits", None), kwargs.get("labels"), kwargs.get("attention_mask")) \
+            if hasattr(output, "keys") else None
+        if proof is None:
+            self.proven(name, None)
+            return
+        output.loss = own_mean.as_window_share(loss, proof, count)
+        self.proven(name, proof)
 
     def __exit__(self, *exc):
         for hook in self.hooks:
@@ -424,7 +459,8 @@ def training_step(wrapped, trainer, args, kwargs):
     model = plain[0][0] if plain[0] else plain[1].get("model")
     before = replay.Point(model) if step.handed else None
     try:
-        with _Handing(trainer, step.handed), CountToLoss(_inner(trainer, model) if step.handed else None):
+        with _Handing(trainer, step.handed), CountToLoss(_inner(trainer, model) if step.handed else None,
+                                                         proven=_own_mean_said(step)):
             result = num_items_watch.unwatched(wrapped(*args, **kwargs))  # the Trainer's running loss stays plain
     finally:
         accelerator.__dict__.pop(_STEP, None)
@@ -570,6 +606,31 @@ def _record_verdict(step: TrainerStep, verdict) -> dict:
             details["route"] = verdict.route
     details["backwards"] += 1
     return details
+
+
+def _own_mean_said(step: TrainerStep):
+    """What ``CountToLoss`` proved of a head's inline mean at each micro-batch (``zerofix.own_mean``): the first proof of
+    a run is said at INFO (the update is the window's token mean, upstream's a mean of micro-batch means); one that
+    fails is kept for the WARNING of the mean of means that follows (the step's verdict is then independent)."""
+
+    def proven(name: str, proof) -> None:
+        state = step.state
+        state.own_mean = (name, proof is not None)
+        if proof is None:
+            return
+        details = _details_of(step.trainer)
+        if "own_mean" in details:
+            return
+        details["own_mean"] = (f"{name}: its inline token mean, proven at each micro-batch equal to the mean "
+                               f"cross-entropy of the logits it returns over the tokens its {proof.tokens} count, "
+                               "weighed by those tokens over num_items_in_batch (the window's token mean)")
+        if step.trainer.accelerator.is_main_process:
+            _log.info("zerofix: %s computes its own token mean inline, where no count reaches it: at each micro-batch "
+                      "zerofix proves that loss is the mean cross-entropy of the logits it returns over the tokens its %s "
+                      "count, and weighs it by those tokens over num_items_in_batch, so the update is the window's "
+                      "token mean (upstream's: a mean of micro-batch means)", name, proof.tokens)
+
+    return proven
 
 
 def _check_handed(step: TrainerStep, verdict, details) -> None:
@@ -786,7 +847,9 @@ def _read_micro_means(step: TrainerStep, verdict, loss) -> None:
     said, tail = _means_said(step, term, rescaled, coincided)
     if state.unreached:  # issue 59: the head whose own mean it is, which no count reaches, named
         said = (f"(computed by {state.unreached}, which takes no count: zerofix handed it num_items_in_batch and its "
-                f"forward computes its own token mean, not through a loss function zerofix can hand it) {said}")
+                "forward computes its own mean, not through a loss function zerofix can hand it"
+                + (", and zerofix could not prove that mean from the logits it returns (the only mean it weighs)"
+                   if state.own_mean == (state.unreached, False) else "") + ") " + said)
     details = _details_of(trainer)
     details["micro_batch_mean"] = said
     _note(details, "micro-batch mean term: mean of micro-batch means")
