@@ -102,3 +102,29 @@ def test_the_switch_proves_what_training_runs_on_cuda(case):
     assert torch.equal(switched, own), (switched, own)
     for name, grad in own_grads.items():
         assert torch.equal(grads[name], grad), name
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_an_inline_mean_is_proven_on_cuda_within_its_chunk(dtype):
+    """Issue 59: Gemma 3's inline loss at a real head's size on CUDA (4 x 2048 positions, vocabulary 262,144: 8 GiB of
+    float32 logits), bf16 logits upcast as Gemma 3 does: the proof finds its count, and its own memory stays within
+    a few of its 16 MiB chunks (the step's peak does not move: benchmarks/bench_own_mean_heads.py)."""
+    from zerofix import own_mean
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    vocab, b, t = 262144, 4, 2048
+    logits = torch.randn(b, t, vocab, device="cuda", dtype=getattr(torch, dtype), generator=g).float()
+    labels = torch.randint(0, vocab, (b, t), device="cuda", generator=g)
+    labels[:, : t // 3] = -100
+    mask = torch.ones_like(labels)
+    loss = torch.nn.CrossEntropyLoss()(logits[:, :-1][mask[:, 1:] != 0], labels[:, 1:][mask[:, 1:] != 0])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    proof = own_mean.prove(loss, logits, labels, mask)
+    torch.cuda.synchronize()
+    grown = (torch.cuda.max_memory_allocated() - before) / 2**20
+    assert proof is not None and int(proof.count) == int((labels[:, 1:] != -100).sum())
+    assert grown < 4 * own_mean.CHUNK_BYTES / 2**20, grown
+    wrong = own_mean.prove(loss + 1e-3 * loss.detach(), logits, labels, mask)
+    assert wrong is None

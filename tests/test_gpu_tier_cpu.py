@@ -48,7 +48,20 @@ def test_issue_51s_gpu_rows_read_on_the_cpu():
     assert set(rows) == {c["name"] for c in m.ISSUE51_CELLS} and not any("error" in r for r in rows.values()), rows
     weighted = rows.pop("times-steps")
     assert weighted["verdict"] == "STILL WRONG" and weighted["bitwise_as_unpatched"], weighted
+    assert rows.pop("inline-mean")["verdict"] == "fixed"  # issue 59: its inline mean proven and weighed
     assert all(r["verdict"] == "right (unchanged)" and r["bitwise_as_unpatched"] for r in rows.values()), rows
+
+
+def test_issue_59s_gpu_rows_read_on_the_cpu():
+    """tools/gpu_issue59.sh's Trainer rows through the table's code on the CPU (fp32): the count handed on to the loss
+    function and the inline mean proven and weighed are fixed (the token mean); the head with no logits to prove its
+    mean from is upstream's mean of means, bitwise."""
+    m = matrix()
+    rows = {r["head"]: r for r in m.one_run("none", "fp32", 1, cuda=False, cells=m.ISSUE59_CELLS)}
+    assert set(rows) == {c["name"] for c in m.ISSUE59_CELLS} and not any("error" in r for r in rows.values()), rows
+    assert rows["own-mean-llama"]["verdict"] == rows["inline-mean-llama"]["verdict"] == "fixed", rows
+    assert rows["fused-mean-llama"]["verdict"] == "right (unchanged)", rows
+    assert rows["fused-mean-llama"]["bitwise_as_unpatched"], rows
 
 
 def test_issue_58s_gpu_rows_read_on_the_cpu():

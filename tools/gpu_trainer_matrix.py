@@ -27,17 +27,24 @@ CELLS = [{"name": "cls", "model": "seq-cls-llama", "gas": 4, "lr": 2.0, "head": 
          {"name": "lm", "model": "causal-lm", "gas": 4, "lr": 5.0},
          {"name": "moe", "model": "moe", "gas": 4, "lr": 2.0}]
 # Issue 51's rows on the GPU (--cells issue51): the identities of a division, a loss that says it is per window, the
-# hand fix, a never-handed head whose handed step runs again; each against its float64 reference
+# hand fix, a never-handed head whose handed step runs again (fused-mean), one whose inline mean is proven from its
+# logits and weighed (inline-mean, issue 59); each against its float64 reference
 ISSUE51_CELLS = ([{"name": r, "model": "causal-lm", "loss": r, "gas": 4, "lr": 5.0}
                   for r in ("sum-from-zero", "where-positive", "plus-eps", "steps-divided-mean", "times-steps")]
                  + [{"name": "nokw-logged-count", "model": "nokw-llama", "loss": "logged-count", "gas": 4, "lr": 5.0,
                      "loss_modes": "batch-mean"},
-                    {"name": "own-mean", "model": "inline-mean-llama", "gas": 4, "lr": 5.0}])
+                    {"name": "fused-mean", "model": "fused-mean-llama", "gas": 4, "lr": 5.0},
+                    {"name": "inline-mean", "model": "inline-mean-llama", "gas": 4, "lr": 5.0}])
 # Issue 58's rows (--cells issue58): a value equal to GAS is a coincidence: upstream's update, bitwise, right or not
 # (the mean / GAS through a compute_loss_func, a loss weight of GAS, four mean terms over 4); a double division, said
 ISSUE58_CELLS = [{"name": r, "model": "causal-lm", "loss": r, "gas": 4, "lr": 5.0}
                  for r in ("func-steps-divided-mean", "func-weighted-sum", "four-term-mean", "func-steps-divided-sum")]
-CELL_SETS = {"default": CELLS, "issue51": ISSUE51_CELLS, "issue58": ISSUE58_CELLS}
+# Issue 59's rows (--cells issue59): the heads the Trainer never hands the count: the count handed on to the loss
+# function (own-mean-llama), an inline mean proven from the logits and weighed (inline-mean-llama), one with no logits to
+# prove it from (fused-mean-llama: upstream's mean of means, its reference)
+ISSUE59_CELLS = [{"name": k, "model": k, "gas": 4, "lr": 5.0}
+                 for k in ("own-mean-llama", "inline-mean-llama", "fused-mean-llama")]
+CELL_SETS = {"default": CELLS, "issue51": ISSUE51_CELLS, "issue58": ISSUE58_CELLS, "issue59": ISSUE59_CELLS}
 # relative error of the update against float64; fp32 is no GPU case of its own: it is what a CPU run of this table
 # can train (transformers refuses bf16/fp16 without a GPU), so tests/test_gpu_tier_cpu.py asserts the device check
 TOLERANCE = {"bf16": 0.03, "fp16": 0.01, "fp32": 1e-4}
