@@ -52,12 +52,15 @@ def test_issue_51s_gpu_rows_read_on_the_cpu():
     assert all(r["verdict"] == "right (unchanged)" and r["bitwise_as_unpatched"] for r in rows.values()), rows
 
 
-def test_issue_59s_gpu_rows_read_on_the_cpu():
-    """tools/gpu_issue59.sh's Trainer rows through the table's code on the CPU (fp32): the count handed on to the loss
+@pytest.mark.parametrize("engine,dtype", [("none", "fp32"), ("fsdp2", "bf16")])
+def test_issue_59s_gpu_rows_read_on_the_cpu(engine, dtype):
+    """tools/gpu_issue59.sh's Trainer rows through the table's code on the CPU: the count handed on to the loss
     function and the inline mean proven and weighed are fixed (the token mean); the head with no logits to prove its
-    mean from is upstream's mean of means, bitwise."""
+    mean from is upstream's mean of means, bitwise. FSDP2 in bf16 hands the loss back in bf16 (its mixed precision
+    casts the forward's outputs): the H200 found the inline mean unproven there, STILL WRONG, before the proof took the
+    loss's dtype into account."""
     m = matrix()
-    rows = {r["head"]: r for r in m.one_run("none", "fp32", 1, cuda=False, cells=m.ISSUE59_CELLS)}
+    rows = {r["head"]: r for r in m.one_run(engine, dtype, 1, cuda=False, cells=m.ISSUE59_CELLS)}
     assert set(rows) == {c["name"] for c in m.ISSUE59_CELLS} and not any("error" in r for r in rows.values()), rows
     assert rows["own-mean-llama"]["verdict"] == rows["inline-mean-llama"]["verdict"] == "fixed", rows
     assert rows["fused-mean-llama"]["verdict"] == "right (unchanged)", rows

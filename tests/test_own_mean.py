@@ -52,15 +52,13 @@ def test_gemma3s_attention_mask_is_the_second_reading():
     assert own_mean.prove(gemma3_loss(logits, labels, torch.ones_like(labels)), logits, labels, mask).tokens == "labels"
 
 
-@pytest.mark.parametrize("what", ["an extra term", "label smoothing", "unshifted", "a sum", "computed in bf16",
-                                  "a z-loss of 1e-4"])
+@pytest.mark.parametrize("what", ["an extra term", "label smoothing", "unshifted", "a sum", "a z-loss of 1e-4"])
 def test_anything_else_proves_nothing(what):
     logits, labels = batch()
     loss = {"an extra term": lambda: shifted_mean(logits, labels) + 1e-3,
             "label smoothing": lambda: shifted_mean(logits, labels, label_smoothing=0.1),
             "unshifted": lambda: F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1)),
             "a sum": lambda: shifted_mean(logits, labels, reduction="sum"),
-            "computed in bf16": lambda: shifted_mean(logits.bfloat16(), labels),
             "a z-loss of 1e-4": lambda: shifted_mean(logits, labels) + 1e-4 * logits.logsumexp(-1).pow(2).mean(),
             }[what]()
     assert own_mean.prove(loss, logits, labels) is None
@@ -139,3 +137,14 @@ def test_the_trainer_entrys_forward_hook_weighs_only_a_proven_inline_mean(kind):
         assert said == [(type(model).__name__, None)] and torch.equal(out.loss, plain)
     else:  # the count reached its loss function: divided by 40
         assert said == [] and float(out.loss) == pytest.approx(float(plain) * n / 40, rel=1e-6)
+
+
+def test_a_loss_handed_back_in_bf16_is_proven_to_bf16s_rounding():
+    """FSDP2's mixed precision casts the forward's outputs to bf16, the loss among them (measured on an H200 and on the
+    CPU harness: the inline mean's 4.1422 came back as 4.15625): the proof holds to that rounding, and no further (a
+    term within half a bf16 unit cannot be seen in a bf16 loss, and is weighed with it)."""
+    logits, labels = batch()
+    loss = shifted_mean(logits, labels)
+    assert own_mean.prove(loss.bfloat16(), logits, labels) is not None
+    assert own_mean.prove(shifted_mean(logits.bfloat16(), labels), logits, labels) is not None  # the same, in bf16
+    assert own_mean.prove((loss * 1.02).bfloat16(), logits, labels) is None  # 2% off: beyond a bf16 rounding
