@@ -83,8 +83,13 @@ def test_own_mean_heads_reach_the_token_mean(stack, tmp_path):
 
 
 @pytest.mark.stack("2026-04")
-def test_own_mean_heads_on_two_processes(stack, tmp_path):
-    chosen, results = run(stack, tmp_path, 2, names=("Qwen3VLConfig", "Qwen3_5Config", "Gemma3Config"))
+@pytest.mark.parametrize("names", [("Qwen3VLConfig", "Qwen3_5Config"), ("Gemma3Config",)], ids=["handed-on", "inline"])
+def test_own_mean_heads_on_two_processes(stack, tmp_path, names):
+    """Gemma 3 in a session of its own: after both other heads' runs in the same 2-rank session, its training on 5.3
+    sometimes took another gradient, unpatched as much as patched (its initial weights and samples the same; 2 of 5
+    runs: patched 0.9988 where the others gave 1.0000001, unpatched 0.2634 against 0.2637), a cause not yet found; alone
+    or after one other head, 6 of 6 runs gave 1.0000001."""
+    chosen, results = run(stack, tmp_path, 2, names=names)
     for cell in chosen:
         bug, fixed = results[cell["name"]]["unpatched"], results[cell["name"]]["patched"]
         assert bug["rel_err"] > 0.05 and fixed["rel_err"] < EXACT, (cell["name"], bug, fixed)
