@@ -46,12 +46,12 @@ def structural_check(fix_id: str, targets) -> Check:
     for name in ("get_param_id", "get_param_gradient_attribute"):
         if not callable(getattr(DeepSpeedZeroOptimizer, name, None)):
             return drifted(f"DeepSpeedZeroOptimizer.{name} is gone")
-    init = inspect.getsource(DeepSpeedZeroOptimizer.__init__)
+    init = _inspect.source(DeepSpeedZeroOptimizer.__init__)
     for name in ("partition_gradients", "accumulated_grads_in_cpu", "grad_position"):
         if f"self.{name} =" not in init:
             return drifted(f"DeepSpeedZeroOptimizer no longer sets self.{name}")
     # the flag the method itself tests (both names are in some sources' __init__)
-    source = inspect.getsource(targets[TARGET])
+    source = _inspect.source(targets[TARGET])
     sliced = next((name for name in _SLICED if f"self.{name}" in source), None)
     if sliced is None:
         return drifted(f"{TARGET} no longer tests a low-precision master-weights flag")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import inspect
 
 from zerofix import applied, zero3
+from zerofix.fixes import _inspect
 from zerofix.fixes.contract import Check, drifted, found
 
 FIX_ID = "trl-chunked-nll-zero3"
@@ -53,7 +54,7 @@ def structural_check(fix_id: str, targets) -> Check:
     if fix_id == GATHER_FIX_ID:
         chunk = getattr(inspect.getmodule(function), "_chunk", None)
         try:
-            source = inspect.getsource(chunk) if callable(chunk) else ""
+            source = _inspect.source(chunk) if callable(chunk) else ""
         except (OSError, TypeError):
             source = ""
         if not any(helper in source for helper in GATHER_HELPERS):

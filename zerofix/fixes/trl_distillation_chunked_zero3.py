@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 
 from zerofix import applied, zero3
+from zerofix.fixes import _inspect
 from zerofix.fixes.contract import Check, drifted, found
 
 FIX_ID = "trl-distillation-chunked-gather-zero3"
@@ -42,7 +43,7 @@ def structural_check(fix_id: str, targets) -> Check:
                        f"{tuple(PARAMETERS)}")
     chunk = getattr(inspect.getmodule(function), "_chunk", None)
     try:
-        source = inspect.getsource(chunk) if callable(chunk) else ""
+        source = _inspect.source(chunk) if callable(chunk) else ""
     except (OSError, TypeError):
         source = ""
     if GATHER_HELPER not in source:

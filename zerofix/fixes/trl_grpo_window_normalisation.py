@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 
+from zerofix.fixes import _inspect
 from zerofix.fixes.contract import Check, drifted, found
 from zerofix.identity import WeakIdentityMap
 
@@ -45,7 +46,7 @@ def structural_check(fix_id: str, targets) -> Check:
         if params != ["self", "model", "inputs"]:
             return drifted(f"{name}{tuple(params)} is not the measured (self, model, inputs)")
         try:
-            source = inspect.getsource(function)
+            source = _inspect.source(function)
         except (OSError, TypeError):
             return drifted(f"the source of {name} cannot be read, so its divisor cannot be checked")
         if DIVISOR not in source:
