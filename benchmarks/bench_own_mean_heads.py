@@ -26,9 +26,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
-from bench_chunked_ce import peak_mib, rss_mib
+from bench_trainer_chunked_loss import timed_train  # the same measure of a Trainer step's time and peak
 
 HEADS = ("loss-function", "inline")
 
@@ -85,19 +84,7 @@ def child(head: str, variant: str, seq: int, vocab: int, device: str) -> dict:
                                           disable_tqdm=True, max_grad_norm=0, remove_unused_columns=False)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
-    if cuda:
-        model.cuda()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() / 2**20
-    else:
-        base = rss_mib()
-    start = time.perf_counter()
-    trainer.train()
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_mib()) - base
+    seconds, peak = timed_train(trainer, model, cuda)
     update = torch.cat([(p.detach().cpu() - before[n].cpu()).flatten() for n, p in model.named_parameters()])
     details = {}
     if variant == "zerofix":

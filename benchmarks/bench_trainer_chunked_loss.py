@@ -28,6 +28,25 @@ from bench_chunked_ce import peak_mib, rss_mib  # the same measure of memory as 
 SWITCH = "transformers-trainer-chunked-loss"
 
 
+def timed_train(trainer, model, cuda: bool) -> tuple[float, float]:
+    """``trainer.train()``'s seconds and peak memory in MiB over what was there before: the CUDA allocator's peak on a
+    GPU, the process's peak RSS on CPU (the model, its gradients and the batch are in both figures)."""
+    import torch
+
+    if cuda:
+        model.cuda()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    else:
+        base = rss_mib()
+    start = time.perf_counter()
+    trainer.train()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, (torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_mib()) - base
+
+
 def child(variant: str, seq: int, vocab: int, device: str = "cpu", steps: int = 1) -> dict:
     import torch
     import transformers
@@ -62,19 +81,7 @@ def child(variant: str, seq: int, vocab: int, device: str = "cpu", steps: int = 
 
         trainer_class = FusedHeadTrainer
     trainer = trainer_class(model=model, args=args, train_dataset=data)
-    if cuda:
-        model.cuda()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() / 2**20
-    else:
-        base = rss_mib()
-    start = time.perf_counter()
-    trainer.train()
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_mib()) - base
+    seconds, peak = timed_train(trainer, model, cuda)
     update = torch.cat([(p.detach().cpu() - before[n].cpu()).flatten() for n, p in model.named_parameters()])
     routed = [d for d in zerofix.status() if d.id == SWITCH and d.runtime]
     return {"variant": variant, "seconds": seconds, "peak_mib": peak, "update": update.tolist()[:: max(1, len(update)
