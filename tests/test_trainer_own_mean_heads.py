@@ -82,6 +82,45 @@ def test_own_mean_heads_reach_the_token_mean(stack, tmp_path):
             assert "proven at each micro-batch" in runtime["own_mean"], runtime
 
 
+@pytest.mark.stack("2026-04", "2025-10")
+def test_own_mean_heads_with_images(stack, tmp_path):
+    """The same routes with an image in every sample (its tokens labelled -100): tiny Qwen3-VL, GLM-4V and Qwen3.5 (5.3)
+    (the count handed on to their loss function) and Gemma 3 (its inline mean proven and weighed; the image's tokens
+    typed 1), 1 process and 2 DDP ranks, against the big batch's token mean."""
+    kinds = ("qwen3vl-image", "glm4v-image") + (("qwen35-image",) if stack == "2026-04" else ())
+    for nproc in (1, 2):
+        handed = [{"name": k, "model": k, "gas": 4, "lr": 5.0} for k in kinds]
+        inline = [{"name": "gemma3-image", "model": "gemma3-image", "gas": 4, "lr": 5.0}]
+        results = {}
+        for cells in (handed, inline):  # Gemma 3 in a session of its own (see below)
+            request = parity.trainer_request(cells, nproc=nproc, name=f"own-mean-images-{cells[0]['name']}-{nproc}")
+            results.update(runner.alone(request, tmp_path / f"{cells[0]['name']}-{nproc}"))
+        for kind, result in results.items():
+            bug, fixed = result["unpatched"], result["patched"]
+            runtime = fixed["rank_runtime"][0][ENTRY][-1]
+            print(f"{kind} x{nproc} on {stack}: unpatched {bug['ratio']:.4f} (rel {bug['rel_err']:.3g}), patched "
+                  f"{fixed['ratio']:.4f} (rel {fixed['rel_err']:.3g})")
+            assert bug["rel_err"] > 0.05 and fixed["rel_err"] < EXACT, (kind, nproc, bug, fixed)
+            assert ("own_mean" in runtime) == (kind == "gemma3-image"), runtime
+
+
+@pytest.mark.stack("2026-04")
+@pytest.mark.parametrize("engine", ["zero2", "zero3", "fsdp2"])
+def test_own_mean_heads_with_images_on_every_engine(stack, tmp_path, engine):
+    """Both routes, with images, on 2 ranks of DeepSpeed ZeRO-2 and ZeRO-3 and of FSDP2 (the CPU harness) on 5.3: the
+    count handed on to Qwen3-VL's loss function, Gemma 3's inline mean proven and weighed (its lm_head is its tied
+    embeddings: under ZeRO-3 the harness reads that weight under both names)."""
+    options = {"zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3), "fsdp2": dict(fsdp=2)}[engine]
+    cells = [{"name": k, "model": k, "gas": 4, "lr": 5.0} for k in ("qwen3vl-image", "gemma3-image")]
+    results = runner.alone(parity.trainer_request(cells, nproc=2, name=f"own-mean-{engine}", **options), tmp_path)
+    for kind, result in results.items():
+        bug, fixed = result["unpatched"], result["patched"]
+        print(f"{kind} {engine} on {stack}: unpatched {bug['ratio']:.4f}, patched {fixed['ratio']:.4f} "
+              f"(rel {fixed['rel_err']:.3g})")
+        assert bug["rel_err"] > 0.05 and fixed["rel_err"] < EXACT, (kind, engine, bug, fixed)
+        assert ("own_mean" in fixed["rank_runtime"][0][ENTRY][-1]) == (kind == "gemma3-image"), kind
+
+
 @pytest.mark.stack("2026-04")
 @pytest.mark.parametrize("names", [("Qwen3VLConfig", "Qwen3_5Config"), ("Gemma3Config",)], ids=["handed-on", "inline"])
 def test_own_mean_heads_on_two_processes(stack, tmp_path, names):

@@ -18,7 +18,11 @@ The model kinds cover the Trainer's normalisation paths:
 - ``fused-mean-llama``: the inline mean of a head that returns no logits when it is given labels (a fused head's
   pattern): nothing zerofix could prove the mean from, so it stays a micro-batch mean;
 - ``vlm`` / ``vlm-image``: a tiny Qwen2_5_VLForConditionalGeneration (the flag False from transformers), on text-only
-  samples, or on samples carrying one 2x2-patch image whose tokens are labelled -100.
+  samples, or on samples carrying one 2x2-patch image whose tokens are labelled -100;
+- ``qwen3vl-image`` / ``glm4v-image`` / ``qwen35-image`` / ``gemma3-image``: tiny Qwen3-VL, GLM-4V, Qwen3.5 (5.x)
+  and Gemma 3 ForConditionalGeneration heads on the same image samples (Gemma 3: one 4x4-pixel image of four 2x2
+  patches, its tokens typed 1), the heads that compute their own mean on transformers 4.57 - 5.6 (issue 59: the count
+  handed on to the loss function the first three call, Gemma 3's inline mean proven and weighed).
 A sequence-level kind's samples carry one class label each (``TASK``).
 """
 from __future__ import annotations
@@ -34,7 +38,9 @@ SEQ = 12
 IGNORE = -100
 NUM_LABELS = 3
 MODEL_KINDS = ("causal-lm", "custom", "seq-cls-llama", "seq-cls-bert", "peft-seq-cls-llama", "moe", "nokw-llama",
-               "own-mean-llama", "inline-mean-llama", "fused-mean-llama", "vlm", "vlm-image")
+               "own-mean-llama", "inline-mean-llama", "fused-mean-llama", "vlm", "vlm-image", "qwen3vl-image",
+               "glm4v-image", "qwen35-image", "gemma3-image")
+OWN_MEAN_IMAGE_KINDS = ("qwen3vl-image", "glm4v-image", "qwen35-image", "gemma3-image")
 VLM_KINDS = ("vlm", "vlm-image")  # the tiny Qwen2.5-VL, on text only and with images
 # The tiny VLM's image: tokens 1..6 of a sample are <vision_start>, four image tokens (one per 2x2 patch) and
 # <vision_end>; its pixels are 4 patches of 3 x 2 x 2 values.
@@ -45,6 +51,7 @@ SEQUENCE_KINDS = ("seq-cls-llama", "seq-cls-bert", "peft-seq-cls-llama")
 
 
 TYPED = "token-typed"  # next-token labels, and token types (zeros: text) the head requires in training
+TYPED_IMAGE = "image-typed"  # the image samples as Gemma 3 takes them: pixels of one image, its tokens typed 1
 
 
 @functools.lru_cache(maxsize=None)  # the reference asks per micro-batch; an hf: kind's answer is in a file
@@ -56,8 +63,10 @@ def task_of(kind: str) -> str:
         from pathlib import Path
 
         return json.loads(Path(kind[3:]).read_text()).get("_zerofix_task", "token")
-    if kind == "vlm-image":
+    if kind in ("vlm-image", "qwen3vl-image", "glm4v-image", "qwen35-image"):
         return "image"
+    if kind == "gemma3-image":
+        return TYPED_IMAGE
     return "sequence" if kind in SEQUENCE_KINDS else "token"
 
 
@@ -131,6 +140,9 @@ def build_model(kind: str, seed: int = 0, *, loss_only: bool = False) -> nn.Modu
         return _no_count_llama(kind)
     if kind in VLM_KINDS:
         return _tiny_vlm()
+    if kind in OWN_MEAN_IMAGE_KINDS:
+        return {"qwen3vl-image": _tiny_qwen3_vl, "glm4v-image": _tiny_glm4v, "qwen35-image": _tiny_qwen3_5,
+                "gemma3-image": _tiny_gemma3}[kind]()
     if kind == "moe":
         from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -159,7 +171,7 @@ def has_sub_models(kind: str) -> bool:
     """Whether a model of this kind may build parts of itself with ``_from_config`` (a vision-language model; a
     user's config, whose class is not known here): under a live ZeRO-3 configuration those parts are built
     partitioned even when the model itself is not."""
-    return kind in VLM_KINDS or kind.startswith("hf:")
+    return kind in VLM_KINDS + OWN_MEAN_IMAGE_KINDS or kind.startswith("hf:")
 
 
 def _llama_config():
@@ -218,6 +230,86 @@ def _tiny_vlm() -> nn.Module:
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
+def _tiny_qwen3_vl() -> nn.Module:
+    """A tiny Qwen3VLForConditionalGeneration taking the image samples of ``vlm-image`` (no deepstack layer)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    config = Qwen3VLConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                         tie_word_embeddings=False),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
+                           spatial_merge_size=1, temporal_patch_size=1, in_channels=3, num_position_embeddings=16,
+                           deepstack_visual_indexes=[]),
+        image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END, tie_word_embeddings=False)
+    _set_rope(config.text_config,
+              {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+    return _eager(Qwen3VLForConditionalGeneration, config)
+
+
+def _tiny_glm4v() -> nn.Module:
+    """A tiny Glm4vForConditionalGeneration taking the image samples of ``vlm-image``."""
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+
+    config = Glm4vConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
+                           spatial_merge_size=1, temporal_patch_size=1, in_channels=3, image_size=4),
+        image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, image_start_token_id=VISION_START,
+        image_end_token_id=VISION_END, tie_word_embeddings=False)
+    _set_rope(config.text_config, {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+    return _eager(Glm4vForConditionalGeneration, config)
+
+
+def _tiny_qwen3_5() -> nn.Module:
+    """A tiny Qwen3_5ForConditionalGeneration (transformers 5.x): one linear-attention and one full-attention layer."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    config = Qwen3_5Config(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                         tie_word_embeddings=False, linear_num_key_heads=2, linear_num_value_heads=2,
+                         linear_key_head_dim=8, linear_value_head_dim=8,
+                         layer_types=["linear_attention", "full_attention"]),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
+                           spatial_merge_size=1, temporal_patch_size=1, in_channels=3, num_position_embeddings=16,
+                           deepstack_visual_indexes=[]),
+        image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END, tie_word_embeddings=False)
+    return _eager(Qwen3_5ForConditionalGeneration, config)
+
+
+def _set_rope(text_config, rope: dict) -> None:
+    for key in ("rope_scaling", "rope_parameters"):  # 4.57 names it rope_scaling, 5.x rope_parameters
+        if hasattr(text_config, key):
+            setattr(text_config, key, dict(rope))
+
+
+def _eager(cls, config) -> nn.Module:
+    for part in (config, getattr(config, "text_config", None), getattr(config, "vision_config", None)):
+        if part is not None:
+            part._attn_implementation = "eager"
+    return cls(config)
+
+
+def _tiny_gemma3() -> nn.Module:
+    """A tiny Gemma3ForConditionalGeneration: a 4x4-pixel image of four 2x2 patches, four image tokens."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    config = Gemma3Config(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                         sliding_window=16),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=4, patch_size=2),
+        mm_tokens_per_image=IMAGE_PATCHES, image_token_index=IMAGE_TOKEN, boi_token_index=VISION_START,
+        eoi_token_index=VISION_END)
+    return _eager(Gemma3ForConditionalGeneration, config)
+
+
 def sample(index: int, seed: int = 0, task: str = "token") -> dict:
     """Sample ``index``: random tokens of a random length (so micro-batches count different numbers
     of tokens), right-padded. Labels ignore the padding and position 0: the Trainer counts unshifted
@@ -231,15 +323,18 @@ def sample(index: int, seed: int = 0, task: str = "token") -> dict:
     labels[0] = IGNORE
     if task == "sequence":  # one class per sample, from its tokens
         labels = torch.tensor(int(ids.sum()) % NUM_LABELS)
-    if task == "image":  # an image in front: its tokens, never predicted
+    if task in ("image", TYPED_IMAGE):  # an image in front: its tokens, never predicted
         ids = ids.clamp(max=IMAGE_TOKEN - 1) * mask
         ids[1:7] = torch.tensor([VISION_START] + [IMAGE_TOKEN] * IMAGE_PATCHES + [VISION_END])
         length = max(length, 8)
         mask = (torch.arange(SEQ) < length).long()
         labels = ids.masked_fill(mask == 0, IGNORE)
         labels[:7] = IGNORE
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels,
-                "pixel_values": torch.randn(IMAGE_PATCHES, PATCH_VALUES, generator=g),
+        pixels = torch.randn(IMAGE_PATCHES, PATCH_VALUES, generator=g)
+        if task == TYPED_IMAGE:  # the same values as one 3 x 4 x 4 image; its tokens typed 1 (Gemma 3)
+            return {"input_ids": ids, "attention_mask": mask, "labels": labels,
+                    "pixel_values": pixels.reshape(1, 3, 4, 4), "token_type_ids": (ids == IMAGE_TOKEN).long()}
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": pixels,
                 "image_grid_thw": torch.tensor([[1, 2, 2]])}  # one image of 2 x 2 patches
     if task == TYPED:  # a head that requires token types in training (Gemma 3 on 4.57 - 5.3): all text
         return {"input_ids": ids, "attention_mask": mask, "labels": labels, "token_type_ids": torch.zeros_like(ids)}

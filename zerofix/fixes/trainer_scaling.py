@@ -310,13 +310,12 @@ def _flagged_class(trainer, model) -> str | None:
     return type(inner).__name__ if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params) else None
 
 
-def _inner(trainer, model):
-    """The transformers model inside DDP, DeepSpeed, FSDP and PEFT (whose forward computes the loss)."""
+def _unwrapped(trainer, model):
+    """The model inside DDP, DeepSpeed and FSDP (a PeftModel stays: its call is the one the count comes with)."""
     try:
-        model = trainer.accelerator.unwrap_model(model)
+        return trainer.accelerator.unwrap_model(model)
     except Exception:  # noqa: BLE001 - an exotic wrapper: take the model as it is
-        pass
-    return _unwrap_peft(model)
+        return model
 
 
 class CountToLoss:
@@ -332,12 +331,15 @@ class CountToLoss:
     property transformers provides) is what gets the count, and it, the hooks and the rest are put back after the step.
     ``model`` None: nothing is done."""
 
-    def __init__(self, model, proven=None):
+    def __init__(self, model, proven=None, called=None):
         self.model, self.kept, self.hooks, self.proven = model, None, (), proven
+        # the module whose call carries the count: a PeftModel around the model (PEFT's tuner calls the model's
+        # ``forward`` directly, so hooks on the model itself would never run), else the model
+        self.called = called if called is not None else model
 
     def __enter__(self):
         model = self.model
-        if model is None or not isinstance(model, torch.nn.Module):
+        if model is None or not isinstance(model, torch.nn.Module) or not isinstance(self.called, torch.nn.Module):
             return self
         current = [None, False]  # the count of the model call under way; whether its loss function took a count
         original = self._loss_function(model)
@@ -369,10 +371,10 @@ class CountToLoss:
             count, took = current
             current[0], current[1] = None, False
             if count is not None and not took and self.proven is not None:
-                self._weigh_own_mean(type(module).__name__, kwargs, output, count)
+                self._weigh_own_mean(type(model).__name__, kwargs, output, count)
 
-        self.hooks = (model.register_forward_pre_hook(called, with_kwargs=True),
-                      model.register_forward_hook(returned, with_kwargs=True))
+        self.hooks = (self.called.register_forward_pre_hook(called, with_kwargs=True),
+                      self.called.register_forward_hook(returned, with_kwargs=True))
         return self
 
     @staticmethod
@@ -459,8 +461,9 @@ def training_step(wrapped, trainer, args, kwargs):
     model = plain[0][0] if plain[0] else plain[1].get("model")
     before = replay.Point(model) if step.handed else None
     try:
-        with _Handing(trainer, step.handed), CountToLoss(_inner(trainer, model) if step.handed else None,
-                                                         proven=_own_mean_said(step)):
+        outer = _unwrapped(trainer, model) if step.handed else None
+        with _Handing(trainer, step.handed), CountToLoss(_unwrap_peft(outer) if step.handed else None,
+                                                         proven=_own_mean_said(step), called=outer):
             result = num_items_watch.unwatched(wrapped(*args, **kwargs))  # the Trainer's running loss stays plain
     finally:
         accelerator.__dict__.pop(_STEP, None)

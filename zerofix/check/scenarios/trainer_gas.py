@@ -231,7 +231,11 @@ def final_weights(model, zero_stage, wrapped=None) -> dict:
 
         import deepspeed
 
-        for name, param in model.named_parameters():
+        gathered = {}  # a tied weight (Gemma 3's lm_head is its embeddings) under each of its names, gathered once
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if id(param) in gathered:
+                state[name] = gathered[id(param)]
+                continue
             full = safe_get_full_fp32_param(param)
             if full is None and not param.requires_grad:  # frozen (PEFT's base): no optimizer copy, gather it
                 with deepspeed.zero.GatheredParameters([param]):
@@ -239,7 +243,7 @@ def final_weights(model, zero_stage, wrapped=None) -> dict:
             if full is None:
                 raise RuntimeError(f"no fp32 copy of {name}: requires_grad={param.requires_grad} "
                                    f"ds_id={hasattr(param, 'ds_id')} z3={hasattr(param, '_z3_optimizer')}")
-            state[name] = full.detach().cpu().clone()
+            state[name] = gathered[id(param)] = full.detach().cpu().clone()
     return state
 
 
