@@ -135,8 +135,12 @@ def test_the_trainer_entrys_forward_hook_weighs_only_a_proven_inline_mean(kind):
         assert float(out.loss) == pytest.approx(float(plain) * n / 40, rel=1e-6)
     elif kind == "fused-mean-llama":
         assert said == [(type(model).__name__, None)] and torch.equal(out.loss, plain)
-    else:  # the count reached its loss function: divided by 40
-        assert said == [] and float(out.loss) == pytest.approx(float(plain) * n / 40, rel=1e-6)
+    else:  # the count reached its loss function: divided by 40 (4.46 - 4.47: a read-only loss_function, the same mean
+        # proven from its logits instead; zerofix hands no count there, count_never_handed needs 4.54)
+        import inspect
+
+        settable = inspect.getattr_static(type(model), "loss_function").fset is not None
+        assert (said == []) == settable and float(out.loss) == pytest.approx(float(plain) * n / 40, rel=1e-6)
 
 
 def test_a_loss_handed_back_in_bf16_is_proven_to_bf16s_rounding():

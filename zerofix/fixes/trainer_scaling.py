@@ -381,7 +381,8 @@ class CountToLoss:
     def _loss_function(model):
         """The model's loss function where a count can be handed to it (the property transformers provides, whose
         signature takes ``num_items_in_batch`` or ``**kwargs``), else None."""
-        if not isinstance(inspect.getattr_static(type(model), "loss_function", None), property):
+        prop = inspect.getattr_static(type(model), "loss_function", None)
+        if not isinstance(prop, property) or prop.fset is None:  # 4.46 - 4.47: read-only, and no count is handed there
             return None
         try:
             original = model.loss_function
