@@ -152,3 +152,12 @@ def test_a_loss_handed_back_in_bf16_is_proven_to_bf16s_rounding():
     assert own_mean.prove(loss.bfloat16(), logits, labels) is not None
     assert own_mean.prove(shifted_mean(logits.bfloat16(), labels), logits, labels) is not None  # the same, in bf16
     assert own_mean.prove((loss * 1.02).bfloat16(), logits, labels) is None  # 2% off: beyond a bf16 rounding
+
+
+def test_a_window_of_one_micro_batch_is_the_heads_loss_bitwise():
+    """One process, GAS 1: the window is this micro-batch (n equal to the count), and the weighed loss is the head's."""
+    logits, labels = batch()
+    loss = shifted_mean(logits, labels)
+    proof = own_mean.prove(loss, logits, labels)
+    assert torch.equal(own_mean.as_window_share(loss, proof, torch.tensor(int(proof.count))), loss)
+

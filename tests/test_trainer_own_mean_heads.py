@@ -132,3 +132,44 @@ def test_own_mean_heads_on_two_processes(stack, tmp_path, names):
     for cell in chosen:
         bug, fixed = results[cell["name"]]["unpatched"], results[cell["name"]]["patched"]
         assert bug["rel_err"] > 0.05 and fixed["rel_err"] < EXACT, (cell["name"], bug, fixed)
+
+
+GAS1 = r"""
+import sys, tempfile, warnings
+warnings.filterwarnings("ignore")
+import torch
+if sys.argv[1] == "patched":
+    import zerofix
+    zerofix.patch()
+from transformers import Trainer, TrainingArguments
+from zerofix.check import models
+out = {}
+for kind in ("inline-mean-llama", "gemma3-image", "qwen3vl-image"):
+    model = models.build_model(kind, 0)
+    samples = [models.sample(i, 0, models.task_of(kind)) for i in range(4)]
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                             max_steps=1, learning_rate=5.0, optim="sgd", lr_scheduler_type="constant", report_to=[],
+                             use_cpu=True, save_strategy="no", logging_strategy="no", max_grad_norm=0,
+                             remove_unused_columns=False)
+    Trainer(model=model, args=args, train_dataset=samples, data_collator=models.stack).train()
+    out[kind] = {k: v.clone() for k, v in model.state_dict().items()}
+torch.save(out, sys.argv[2])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.stack("2026-04")
+def test_a_window_of_one_micro_batch_trains_as_upstream_bitwise(tmp_path):
+    """Do no harm: one process, GAS 1, where upstream's micro-batch mean is the window's token mean. Handed the count,
+    each route (the count handed on to Qwen3-VL's loss function, Gemma 3's and the inline Llama's mean weighed by
+    n / n, exactly 1) gives upstream's weights, bitwise."""
+    import torch
+
+    from conftest import run_python
+
+    for variant in ("unpatched", "patched"):
+        run_python(GAS1, args=(variant, str(tmp_path / f"{variant}.pt")), timeout=300,
+                   env={"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"})
+    upstream, patched = (torch.load(tmp_path / f"{v}.pt") for v in ("unpatched", "patched"))
+    for kind, weights in upstream.items():
+        assert all(torch.equal(weights[k], patched[kind][k]) for k in weights), kind

@@ -99,6 +99,7 @@ def _agrees(value: float, mean: float, dtype: torch.dtype) -> bool:
 
 
 def as_window_share(loss: torch.Tensor, proof: Proof, num_items) -> torch.Tensor:
-    """The head's mean weighed as its share of the window's token mean: ``loss * n / num_items``."""
+    """The head's mean weighed as its share of the window's token mean: ``loss * (n / num_items)``; where the window
+    is this micro-batch (one process, GAS 1) the factor is exactly 1 and the loss upstream's, bitwise."""
     count = num_items.to(loss.device) if isinstance(num_items, torch.Tensor) else num_items
-    return loss * proof.count / count
+    return loss * (proof.count / count)
