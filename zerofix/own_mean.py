@@ -11,7 +11,7 @@ The proof: the next-token cross-entropy of the returned logits (position t again
 counted), summed in float64 and divided by the count, equals the head's loss to within ``TOLERANCE`` relative (or, for
 a loss handed back in bf16 or fp16, is that mean rounded to its dtype), for the tokens the labels count, or for those
 the labels and the 2-D attention mask count (Gemma 3 drops masked positions).
-Anything else (an extra term, label smoothing, a loss computed in bf16, shapes that do not line up, no counted
+Anything else (an extra term, label smoothing, an unshifted loss, shapes that do not line up, no counted
 token) proves nothing, and the caller leaves the loss as it is. Computed without autograd, in chunks of about
 ``CHUNK_BYTES`` of float32, so the step's peak memory barely moves (benchmarks/bench_own_mean_heads.py).
 

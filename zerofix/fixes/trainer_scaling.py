@@ -464,7 +464,8 @@ def training_step(wrapped, trainer, args, kwargs):
     try:
         outer = _unwrapped(trainer, model) if step.handed else None
         with _Handing(trainer, step.handed), CountToLoss(_unwrap_peft(outer) if step.handed else None,
-                                                         proven=_own_mean_said(step), called=outer):
+                                                         proven=_own_mean_said(step) if step.handed else None,
+                                                         called=outer):
             result = num_items_watch.unwatched(wrapped(*args, **kwargs))  # the Trainer's running loss stays plain
     finally:
         accelerator.__dict__.pop(_STEP, None)
