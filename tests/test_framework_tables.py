@@ -65,3 +65,31 @@ def test_the_llamafactory_suites_config_and_table(tmp_path):
     assert {"sft", "asft", "dpo", "rm", "sft@zero3", "dpo@zero3"} <= set(documented), sorted(documented)
     swift = suite().doc_rows()  # each framework's table between its own markers
     assert "asft" not in swift and "grpo" in swift and "grpo" not in documented
+
+
+def test_the_axolotl_suites_config_and_table(tmp_path):
+    """axolotl_suite.py's YAML for one run (fp32 set explicitly, the row's keys, the packed rows' one sequence a
+    micro-batch, the 16-sample data and the torchrun launcher of a 2-process layout, zero2.json's keys) and its table
+    in the real page, without running axolotl."""
+    import json
+
+    module = tool("frameworks/axolotl_suite")
+    out = tmp_path / "runs" / "sft@zero2" / "plain"
+    out.parent.mkdir(parents=True)
+    cmd = module.command(tmp_path, "sft", out, 4, 2, "zero2", sixteen=True)
+    assert cmd[0].endswith("axolotl") and cmd[1] == "train"
+    assert cmd[3:7] == ["--launcher", "torchrun", "--", "--nproc_per_node"] and cmd[7] == "2"
+    config = {k: json.loads(v) for k, v in (line.split(": ", 1) for line in (tmp_path / cmd[2]).read_text().splitlines())}
+    assert (config["bf16"], config["fp16"], config["tf32"]) == (False, False, False)  # axolotl's bf16 default: auto
+    assert config["datasets"][0]["path"].endswith("sft16.jsonl") and config["optimizer"] == "sgd"
+    assert config["gradient_accumulation_steps"] == 4 and config["micro_batch_size"] == 2
+    deepspeed = json.loads(open(config["deepspeed"]).read())
+    assert deepspeed["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}  # axolotl's zero2.json
+    assert deepspeed["zero_allow_untested_optimizer"] is True and deepspeed["zero_force_ds_cpu_optimizer"] is False
+    packed = module.command(tmp_path, "packing", out, 1, 8)
+    config = {k: json.loads(v) for k, v in (line.split(": ", 1) for line in (tmp_path / packed[2]).read_text().splitlines())}
+    assert config["sample_packing"] is True and config["micro_batch_size"] == 4 and "deepspeed" not in config
+    assert len(packed) == 3  # one process: axolotl's default launcher
+    documented = module.FRAMEWORK.doc_rows()
+    assert {"sft", "packing", "dpo", "orpo", "kto"} <= set(documented), sorted(documented)
+    assert "asft" not in documented and "packing" not in suite().doc_rows()

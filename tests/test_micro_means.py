@@ -109,8 +109,18 @@ args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_s
                          max_steps=STEPS, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", report_to=[],
                          use_cpu=True, save_strategy="no", logging_strategy="no", max_grad_norm=0,
                          dataloader_drop_last=True, **({"ddp_backend": "gloo"} if WORLD > 1 else {}))
-NllTrainer(model=model, args=args, train_dataset=samples, data_collator=lambda rows: {
-    k: torch.stack([r[k] for r in rows]) for k in rows[0]}).train()
+collate = lambda rows: {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+if KIND == "withheld":  # axolotl 0.19's shape: the model's own loss, the count withheld by the trainer's flag
+    class WithheldTrainer(Trainer):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.model_accepts_loss_kwargs = False
+
+        _get_train_sampler = NllTrainer._get_train_sampler
+
+    WithheldTrainer(model=model, args=args, train_dataset=samples, data_collator=collate).train()
+else:
+    NllTrainer(model=model, args=args, train_dataset=samples, data_collator=collate).train()
 from zerofix.fixes import trainer_scaling
 if RANK == 0:
     print("RESULT" + json.dumps({"records": records, "details": trainer_scaling.runtime_details()}, default=str))
@@ -181,3 +191,28 @@ def test_a_micro_batch_token_mean_in_a_trainers_loss_is_said_once():
         quiet = run(kind)
         assert not [m for _, m in quiet["records"] if "averages a term" in m], (kind, quiet["records"])
         assert "micro_batch_mean" not in quiet["details"][-1], quiet["details"]
+
+
+@pytest.mark.slow
+@pytest.mark.stack("latest", "2026-04")
+def test_a_count_the_trainers_own_flag_withholds_is_followed_and_said_with_the_flag():
+    """Issue 60: axolotl 0.19's trainer sets ``model_accepts_loss_kwargs = False`` where the model's forward takes
+    ``**kwargs``; the Trainer then hands the model's loss no count and averages micro-batch means. zerofix follows the
+    setting and its one WARNING names it, and how to hand the count (not "make that term a sum", which a user of the
+    model's own loss cannot do)."""
+    result = run("withheld")
+    said = [msg for level, msg in result["records"] if level == "WARNING" and "averages a term over its own" in msg]
+    assert len(said) == 1, result["records"]
+    assert "WithheldTrainer set model_accepts_loss_kwargs = False where the model's forward takes **kwargs" in said[0]
+    assert "zerofix follows that setting" in said[0] and "cannot hand" not in said[0], said
+    assert "zerofix hands it no count against that setting" in said[0], said
+    assert "set model_accepts_loss_kwargs = True on the trainer once it is built" in said[0], said
+    if result["details"][-1]["corrected"]:  # 2026-04 (5.3): accelerate divides again (#45349); zerofix scales the
+        # loss once, as the flag says (a micro-batch mean): the mean of the micro-batch means
+        assert "zerofix scales it as a micro-batch mean and the update averages micro-batch means (the Trainer's own " \
+               "path gave 0.25x that)" in said[0], said
+    else:  # latest: the Trainer's own division, the mean of the micro-batch means, unchanged
+        assert "that mean of means stays as upstream computes it" in said[0], said
+    nll = run("uneven")  # a compute_loss of its own (the flag True): the wording of the other case
+    said = [msg for level, msg in nll["records"] if level == "WARNING" and "averages a term over its own" in msg]
+    assert len(said) == 1 and "model_accepts_loss_kwargs" not in said[0], said

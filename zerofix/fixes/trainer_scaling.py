@@ -855,12 +855,39 @@ def _read_micro_means(step: TrainerStep, verdict, loss) -> None:
                 "forward computes its own mean, not through a loss function zerofix can hand it"
                 + (", and zerofix could not prove that mean from the logits it returns (the only mean it weighs)"
                    if state.own_mean == (state.unreached, False) else "") + ") " + said)
+    # issue 60: axolotl 0.19's trainer sets the flag False for every model whose inner forward lacks the parameter by
+    # name; the Trainer then hands the model's own loss (the base compute_loss ran: the term is the model's) no count.
+    # Its own path: followed, and said with the setting (a trainer's own loss, TRL's ORPO, keeps the other words)
+    withheld = not state.unreached and step.base_ran and _count_withheld_by_trainer(trainer, trainer.model)
+    if withheld:
+        said = said.replace("zerofix cannot hand that term a count", "zerofix hands it no count against that setting")
+        said = (f"(the Trainer hands the model no num_items_in_batch: {type(trainer).__name__} set "
+                "model_accepts_loss_kwargs = False where the model's forward takes **kwargs, so the Trainer divides "
+                "each micro-batch's loss by gradient_accumulation_steps instead; zerofix follows that setting) " + said)
     details = _details_of(trainer)
     details["micro_batch_mean"] = said
     _note(details, "micro-batch mean term: mean of micro-batch means")
-    _warn_main(trainer, "zerofix: %s's loss %s. For the window's mean: make that term a sum divided by the "
-               "window's count (the Trainer's num_items_in_batch), or train with gradient_accumulation_steps=1 and the "
-               "same total batch.%s", type(trainer).__name__, said, tail)
+    advice = ("if the model's own loss takes num_items_in_batch (a causal LM's does), set model_accepts_loss_kwargs "
+              "= True on the trainer once it is built, so that the Trainer hands it the window's count; or make that "
+              "term a sum divided by the window's count (the Trainer's num_items_in_batch)") if withheld else \
+        "make that term a sum divided by the window's count (the Trainer's num_items_in_batch)"
+    _warn_main(trainer, "zerofix: %s's loss %s. For the window's mean: %s, or train with gradient_accumulation_steps=1 "
+               "and the same total batch.%s", type(trainer).__name__, said, advice, tail)
+
+
+def _count_withheld_by_trainer(trainer, model) -> bool:
+    """Whether the trainer's ``model_accepts_loss_kwargs`` is False against the Trainer's own reading of the model
+    (the model declares loss kwargs), with no ``compute_loss_func``: the Trainer then never hands the model's loss the
+    count. Only the WARNING's words depend on it (with the base compute_loss having run: the loss is the model's own);
+    zerofix follows the setting (a run may want micro-batch means)."""
+    if getattr(trainer, "model_accepts_loss_kwargs", True) is not False:
+        return False
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        return False
+    try:
+        return _trainer_guess(_unwrapped(trainer, model))
+    except Exception:  # noqa: BLE001 - an exotic model: no claim
+        return False
 
 
 def _across_ranks(records: list, world: int) -> list:
