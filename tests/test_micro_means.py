@@ -186,6 +186,7 @@ def test_a_micro_batch_token_mean_in_a_trainers_loss_is_said_once():
         assert "NllTrainer's loss averages a term over its own micro-batch (a cross-entropy token mean over" in said[0]
         assert "that mean of means stays as upstream computes it" in said[0]
     assert "gradient_accumulation_steps=1" in said[0] and "num_items_in_batch" in said[0]
+    assert "model_accepts_loss_kwargs" not in said[0], said  # a compute_loss of its own: not the withheld count's words
     assert "a cross-entropy token mean over" in result["details"][-1]["micro_batch_mean"]  # zerofix status says it too
     for kind in ("even", "per-sample"):  # every count the same; no mean over a count at all
         quiet = run(kind)
@@ -213,6 +214,3 @@ def test_a_count_the_trainers_own_flag_withholds_is_followed_and_said_with_the_f
                "path gave 0.25x that)" in said[0], said
     else:  # latest: the Trainer's own division, the mean of the micro-batch means, unchanged
         assert "that mean of means stays as upstream computes it" in said[0], said
-    nll = run("uneven")  # a compute_loss of its own (the flag True): the wording of the other case
-    said = [msg for level, msg in nll["records"] if level == "WARNING" and "averages a term over its own" in msg]
-    assert len(said) == 1 and "model_accepts_loss_kwargs" not in said[0], said
