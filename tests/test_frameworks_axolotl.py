@@ -8,6 +8,8 @@ local Llama, GA 4 x 2 against the big batch on the same samples, one SGD step, f
   measured bug: cosine about 0.75 to the big batch's update here, with 26, 7, 62 and 8 counted tokens). zerofix
   follows the trainer's setting (a run may want it), bitwise, and says once, at WARNING, what the setting does and
   how to get the window's mean.
+- SFT with ``ZEROFIX_HAND_COUNT_TO_MODEL=1`` (the user's word that the trainer's flag is not theirs): zerofix hands
+  the model's loss the count, finds every step's loss divided by it, and the update is the big batch's.
 - DPO: right upstream and bitwise the same with ``ZEROFIX=1``.
 - docs/frameworks.md's generated table holds these rows as this run measures them.
 
@@ -26,9 +28,9 @@ pytestmark = [pytest.mark.distributed, pytest.mark.stack("axolotl")]
 RIGHT = 1e-4
 
 
-def test_axolotl_sft_is_said_and_followed_and_dpo_is_right_with_zerofix(tmp_path, capsys):
+def test_axolotl_sft_is_said_and_followed_handed_on_the_users_word_and_dpo_is_right(tmp_path, capsys):
     tool = conftest_tool("frameworks/axolotl_suite").FRAMEWORK
-    assert tool.main([str(tmp_path), "sft", "dpo", "--jobs", "2"]) == 0
+    assert tool.main([str(tmp_path), "sft", "sft-hand", "dpo", "--jobs", "2"]) == 0
     print(capsys.readouterr().out)
     results = {r["row"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
     for row in ("sft", "dpo"):
@@ -49,5 +51,16 @@ def test_axolotl_sft_is_said_and_followed_and_dpo_is_right_with_zerofix(tmp_path
     assert "zerofix follows that setting" in said[0] and "mean of means stays as upstream computes it" in said[0], said
     assert "set model_accepts_loss_kwargs = True on the trainer once it is built" in said[0], said
 
-    for row in ("sft", "dpo"):  # docs/frameworks.md's generated table (axolotl_suite.py --write-docs)
+    # ZEROFIX_HAND_COUNT_TO_MODEL=1: the user's word that the trainer's flag is not theirs; the count is handed to the
+    # model's loss, every step's loss is divided by it, and the update is the big batch's (the window's token mean)
+    hand = results["sft-hand"]
+    assert hand["plain"] == sft, (hand, sft)  # its unpatched run is sft's, the same bug
+    assert hand["zerofix"]["rel"] < RIGHT and hand["zerofix"]["ratio"] == pytest.approx(1.0, abs=1e-4), hand
+    assert hand["bitwise_as_unpatched"] is False
+    lines = hand["zerofix_lines"]
+    assert any("the loss is divided by num_items_in_batch; zerofix changed 4 of its first 4 backwards" in line
+               for line in lines), lines
+    assert not [line for line in lines if "WARNING" in line], lines
+
+    for row in ("sft", "sft-hand", "dpo"):  # docs/frameworks.md's generated table (axolotl_suite.py --write-docs)
         assert tool.doc_rows().get(row) == tool.table_row(results[row]), (tool.doc_rows().get(row), results[row])

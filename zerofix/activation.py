@@ -11,6 +11,10 @@ Precedence: explicit ``zerofix.patch()`` arguments > environment > defaults. Var
 - ``ZEROFIX_LOSS_IS_SCALED_FOR_GA``: what every Trainer's loss is, for a user who launches a framework's command line
   and cannot call ``zerofix.loss_is_scaled_for_ga(trainer)``: ``1`` already per accumulation window (normalised by the
   window's count, or divided by ``gradient_accumulation_steps``), ``0`` a micro-batch mean. Unset: measured.
+- ``ZEROFIX_HAND_COUNT_TO_MODEL``: ``1`` says that a trainer's own ``model_accepts_loss_kwargs = False`` (axolotl 0.19's
+  trainer sets it for every model) is not the user's word: zerofix hands the model's loss the count, as it does for a
+  head whose class says ``accepts_loss_kwargs = False``, and keeps it only for steps whose loss is divided by it.
+  Unset or ``0``: the trainer's setting is followed (and said where it averages micro-batch means).
 
 A malformed ``ZEROFIX``, ``ZEROFIX_DISABLE`` or ``ZEROFIX_OPT_IN`` gets one warning naming the valid forms, and nothing is
 patched (which fixes were meant is unclear). A malformed ``ZEROFIX_LOG`` or ``ZEROFIX_STRICT`` only
@@ -23,10 +27,10 @@ import os
 import sys
 from typing import NamedTuple
 
-from zerofix.envvalues import ALL, OFF, STATEMENT
+from zerofix.envvalues import ALL, HAND_COUNT, OFF, STATEMENT
 
 LOG_LEVELS = ("debug", "info", "warning")
-VARIABLES = ("ZEROFIX", "ZEROFIX_DISABLE", "ZEROFIX_OPT_IN", "ZEROFIX_LOG", "ZEROFIX_STRICT", STATEMENT)
+VARIABLES = ("ZEROFIX", "ZEROFIX_DISABLE", "ZEROFIX_OPT_IN", "ZEROFIX_LOG", "ZEROFIX_STRICT", STATEMENT, HAND_COUNT)
 
 
 class ConfigError(ValueError):
@@ -93,6 +97,11 @@ def read_environment(environ=None, *, default_on: bool = False) -> Settings:
     if statement_raw and statement_raw not in OFF + ALL:
         warnings.append(f"{STATEMENT}={env.get(STATEMENT)!r} is not valid (use 1: the loss is already per "
                         "accumulation window, or 0: a micro-batch mean); ignored, zerofix measures what the loss is")
+    hand_raw = env.get(HAND_COUNT, "").strip().lower()
+    if hand_raw and hand_raw not in OFF + ALL:
+        warnings.append(f"{HAND_COUNT}={env.get(HAND_COUNT)!r} is not valid (use 1: hand the model's loss the count a "
+                        "trainer's own model_accepts_loss_kwargs = False withholds, or 0); ignored, the trainer's "
+                        "setting is followed")
     for name in sorted(k for k in env if k.startswith("ZEROFIX_") and k not in VARIABLES):
         # a misspelt variable (ZEROFIX_FIXES for ZEROFIX) would otherwise be ignored without a word
         warnings.append(f"{name} is not a zerofix variable and is ignored (zerofix reads {', '.join(VARIABLES)}; "

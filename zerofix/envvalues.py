@@ -7,6 +7,7 @@ import os
 OFF = ("0", "false", "off", "no")
 ALL = ("1", "all", "true", "on", "yes")
 STATEMENT = "ZEROFIX_LOSS_IS_SCALED_FOR_GA"
+HAND_COUNT = "ZEROFIX_HAND_COUNT_TO_MODEL"
 
 
 def loss_statement(environ=None) -> bool | None:
@@ -15,3 +16,11 @@ def loss_statement(environ=None) -> bool | None:
     env = os.environ if environ is None else environ
     value = env.get(STATEMENT, "").strip().lower()
     return True if value in ALL else False if value in OFF else None
+
+
+def hand_count_statement(environ=None) -> bool:
+    """``ZEROFIX_HAND_COUNT_TO_MODEL``: True (1/true/on/yes/all) where the user says that a trainer's own
+    ``model_accepts_loss_kwargs = False`` is not theirs (axolotl 0.19 sets it for every model) and the model's loss should
+    be handed the count; anything else False (a malformed value is named once by the activation's warnings)."""
+    env = os.environ if environ is None else environ
+    return env.get(HAND_COUNT, "").strip().lower() in ALL

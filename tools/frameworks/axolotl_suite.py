@@ -36,6 +36,9 @@ ROWS = {
     # and the big batch pack the same samples (one step takes them all)
     "packing": {"data": ("sft", "chat_template"), "sample_packing": True, "sample_packing_sequentially": True,
                 "sequence_len": 64, "pad_to_sequence_len": True},
+    # sft, with ZEROFIX_HAND_COUNT_TO_MODEL=1 in its ZEROFIX=1 run: the user's word that the trainer's own
+    # model_accepts_loss_kwargs = False is not theirs (the unpatched run is sft's)
+    "sft-hand": {"data": ("sft", "chat_template")},
     "dpo": {"data": ("pairs", "chat_template.default"), "rl": "dpo", "rl_beta": 0.1},
     "orpo": {"data": ("orpo", "chat_template.argilla"), "rl": "orpo", "orpo_alpha": 0.1},
     "kto": {"data": ("kto", "chatml.argilla"), "rl": "kto", "rl_beta": 0.1, "remove_unused_columns": False},
@@ -121,7 +124,8 @@ FRAMEWORK = fw_measure.Framework(
     name="axolotl", rows=tuple(ROWS), judged=frozenset(ROWS) - {"kto"}, command=command,
     two_process_env=lambda: {},  # the layout's launcher is on the command line
     weights="checkpoint-1/*.safetensors",
-    prepare=prepare, base_env={"HF_HUB_OFFLINE": "1", "AXOLOTL_DO_NOT_TRACK": "1"})
+    prepare=prepare, base_env={"HF_HUB_OFFLINE": "1", "AXOLOTL_DO_NOT_TRACK": "1"},
+    zerofix_env=lambda row: {"ZEROFIX_HAND_COUNT_TO_MODEL": "1"} if row.startswith("sft-hand") else {})
 
 if __name__ == "__main__":
     sys.exit(FRAMEWORK.main())

@@ -53,6 +53,8 @@ class Framework:
     weights: str
     prepare: Callable[[Path], None] = lambda work: None
     base_env: dict[str, str] = field(default_factory=dict)
+    # a row's own variables for its ZEROFIX=1 run (a statement to zerofix, as a user of the framework would set it)
+    zerofix_env: Callable[[str], dict[str, str]] = lambda row: {}
 
     def split(self, name: str) -> tuple[str, str | None]:
         """``sft@zero2`` -> ("sft", "zero2"); ``sft`` -> ("sft", None)."""
@@ -115,10 +117,10 @@ def run(fw: Framework, work: Path, name: str, variant: str, reuse: bool = False)
     env = {**os.environ, **fw.base_env, "OMP_NUM_THREADS": "1"}
     # as an activated environment has it: a framework may launch its stack's own `torchrun` by name (LLaMA-Factory)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    for key in ("ZEROFIX", "NPROC_PER_NODE", "FORCE_TORCHRUN"):
+    for key in ("ZEROFIX", "ZEROFIX_HAND_COUNT_TO_MODEL", "NPROC_PER_NODE", "FORCE_TORCHRUN"):
         env.pop(key, None)
     if variant == "zerofix":
-        env["ZEROFIX"] = "1"
+        env.update(fw.zerofix_env(row), ZEROFIX="1")
     if two and variant != "big":
         env.update(fw.two_process_env(), MASTER_PORT=str(free_port()))
     cmd = fw.command(work, row, out, gas, batch, layout if variant != "big" else None, sixteen=two)
@@ -200,7 +202,8 @@ HEADER = "| run | unpatched | `ZEROFIX=1` | zerofix said |\n|---|---|---|---|"
 SAID = (("a coincidence, not a statement", "GAS read as a coincidence: upstream's update"),
         ("scales it as a micro-batch mean", "loss rescaled as a micro-batch mean"),
         ("averages a term over its own micro-batch", "WARNING: a micro-batch mean term"),
-        ("which its library defines as normalised by", "WARNING: a local-batch loss by definition"))
+        ("which its library defines as normalised by", "WARNING: a local-batch loss by definition"),
+        ("because the Trainer never hands num_items_in_batch to", "the count handed to the model's loss"))
 
 
 def said(result: dict) -> str:

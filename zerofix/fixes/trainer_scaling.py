@@ -224,9 +224,12 @@ def _new_run(trainer, state: Known, model) -> None:
     if state.handing:
         _details_of(trainer)["count_handed"] = state.handing
         # said at INFO: whether anything changes is known only once the first loss is measured (_check_handed)
-        _log.info("zerofix: %s says accepts_loss_kwargs = False, so the Trainer neither counts nor passes "
-                  "num_items_in_batch; zerofix has the Trainer count and pass it, and keeps it only for steps whose loss "
-                  "is divided by it (a step whose loss is not runs again as the Trainer runs it)", state.handing)
+        whose = (f"{state.handing} says accepts_loss_kwargs = False" if _flagged_class(trainer, model) else
+                 f"{type(trainer).__name__} set model_accepts_loss_kwargs = False for {state.handing} and "
+                 f"{envvalues.HAND_COUNT}=1 says that is not your word")
+        _log.info("zerofix: %s, so the Trainer neither counts nor passes num_items_in_batch; zerofix has the Trainer "
+                  "count and pass it, and keeps it only for steps whose loss is divided by it (a step whose loss is not "
+                  "runs again as the Trainer runs it)", whose)
     elif state.path.covered and (name := _smoothed_never_handed(trainer, model)):
         _note(_details_of(trainer), "label smoothing: mean of micro-batch means")
         _warn_main(trainer, "zerofix: %s says accepts_loss_kwargs = False and this run smooths its labels: the Trainer "
@@ -267,7 +270,12 @@ def count_never_handed(trainer, model) -> str | None:
         return None
     if getattr(trainer, "loss_is_scaled_for_ga", None) is not None or _user_statement(known(trainer)) is not None:
         return None
-    return _flagged_class(trainer, model)
+    flagged = _flagged_class(trainer, model)
+    if flagged is None and envvalues.hand_count_statement() and _count_withheld_by_trainer(trainer, model):
+        # issue 60: the user's word (ZEROFIX_HAND_COUNT_TO_MODEL=1) that the trainer's own flag (axolotl 0.19's) is not
+        # theirs: handed and checked at every step exactly as a flagged head's count
+        return type(_unwrap_peft(_unwrapped(trainer, model))).__name__
+    return flagged
 
 
 def _smoother_takes_the_count(trainer) -> bool:
@@ -867,9 +875,10 @@ def _read_micro_means(step: TrainerStep, verdict, loss) -> None:
     details = _details_of(trainer)
     details["micro_batch_mean"] = said
     _note(details, "micro-batch mean term: mean of micro-batch means")
-    advice = ("if the model's own loss takes num_items_in_batch (a causal LM's does), set model_accepts_loss_kwargs "
-              "= True on the trainer once it is built, so that the Trainer hands it the window's count; or make that "
-              "term a sum divided by the window's count (the Trainer's num_items_in_batch)") if withheld else \
+    advice = ("if the model's own loss takes num_items_in_batch (a causal LM's does), say so with "
+              f"{envvalues.HAND_COUNT}=1 (zerofix then hands it the window's count and keeps it only for steps whose "
+              "loss is divided by it) or set model_accepts_loss_kwargs = True on the trainer once it is built; or make "
+              "that term a sum divided by the window's count (the Trainer's num_items_in_batch)") if withheld else \
         "make that term a sum divided by the window's count (the Trainer's num_items_in_batch)"
     _warn_main(trainer, "zerofix: %s's loss %s. For the window's mean: %s, or train with gradient_accumulation_steps=1 "
                "and the same total batch.%s", type(trainer).__name__, said, advice, tail)
