@@ -61,6 +61,10 @@ Ambiguity list (docs/fixes.md), each usage with the test that shows it left alon
   (tests/test_trainer_scaling_rows.py);
 - a head whose class says ``accepts_loss_kwargs = False`` but whose forward computes its own mean: handed the count
   once, found independent, upstream's mean of means for the run, warned (tests/test_trainer_mean_of_means.py);
+- a trainer's own ``model_accepts_loss_kwargs = False`` on a model whose forward takes ``**kwargs`` (axolotl 0.19's):
+  followed (a run may want micro-batch means), and the micro-batch-mean WARNING names the setting; handed the count as a
+  flagged head only on the user's word, ``ZEROFIX_HAND_COUNT_TO_MODEL=1`` (tests/test_micro_means.py,
+  tests/test_frameworks_axolotl.py);
 - transformers 4.46-4.48 pass the count as an int, which cannot be followed: it is handed on as a 0-dim int64 tensor
   (same value, bitwise the same division; tests/test_num_items_watch.py, and the 2024-11/2025-01 cells);
 - a compiled model (``torch_compile=True``, or a compiled module) or ``compute_loss_func``: handed the plain count (a
