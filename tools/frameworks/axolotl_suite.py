@@ -87,9 +87,7 @@ def deepspeed_config(work: Path, layout: str) -> Path:
               "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
               "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
               "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
-    path = work / f"ds_{layout}.json"
-    path.write_text(json.dumps(config, indent=1))
-    return path
+    return fw_measure.deepspeed_file(work, layout, config)
 
 
 def command(work: Path, row: str, out: Path, gas: int, batch: int, layout: str | None = None,

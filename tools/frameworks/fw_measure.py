@@ -96,6 +96,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def deepspeed_file(work: Path, layout: str, config: dict) -> Path:
+    """A layout's DeepSpeed config, written where a framework's YAML names it: ``work/ds_<layout>.json``."""
+    path = work / f"ds_{layout}.json"
+    path.write_text(json.dumps(config, indent=1))
+    return path
+
+
 def zerofix_lines(log: str) -> list[str]:
     """What zerofix said in the run's console (the Trainer log's lines and the zerofix logger's)."""
     return [line for line in log.splitlines() if "zerofix: " in line]

@@ -91,9 +91,7 @@ def deepspeed_config(work: Path, layout: str) -> Path:
               "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
               "zero_allow_untested_optimizer": True, "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
               "zero_optimization": ZERO[layout]}
-    path = work / f"ds_{layout}.json"
-    path.write_text(json.dumps(config, indent=1))
-    return path
+    return fw_measure.deepspeed_file(work, layout, config)
 
 
 def command(work: Path, row: str, out: Path, gas: int, batch: int, layout: str | None = None,
