@@ -28,6 +28,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.stack("axolotl")]
 RIGHT = 1e-4
 
 
+def said_text(line: str) -> str:
+    """A console line's zerofix message, without the handler's prefix (a record may reach two handlers)."""
+    return line[line.index("zerofix: "):]
+
+
 def test_axolotl_sft_is_said_and_followed_handed_on_the_users_word_and_dpo_is_right(tmp_path, capsys):
     tool = conftest_tool("frameworks/axolotl_suite").FRAMEWORK
     assert tool.main([str(tmp_path), "sft", "sft-hand", "dpo", "--jobs", "2"]) == 0
@@ -38,14 +43,17 @@ def test_axolotl_sft_is_said_and_followed_handed_on_the_users_word_and_dpo_is_ri
         assert "error" not in plain and "error" not in fixed, (row, plain, fixed)
         assert results[row]["bitwise_as_unpatched"] is True, (row, results[row])  # no harm: the setting followed
         lines = results[row]["zerofix_lines"]
-        assert sum("fixes act on this run" in line or "fix acts on this run" in line for line in lines) == 1, lines
+        # said once; the console may print it twice (transformers propagates its records to the root logger where CI
+        # is set, and axolotl's root handler prints them too): one message, however many handlers
+        assert len({said_text(line) for line in lines if "fix acts on this run" in line}) == 1, lines
 
     dpo = results["dpo"]["plain"]
     assert dpo["rel"] < RIGHT and dpo["ratio"] == pytest.approx(1.0, abs=1e-4), dpo  # upstream: right
 
     sft = results["sft"]["plain"]
     assert sft["rel"] > 0.1 and sft["cosine"] < 0.95, sft  # upstream: a mean of micro-batch means
-    said = [line for line in results["sft"]["zerofix_lines"] if "averages a term over its own micro-batch" in line]
+    said = sorted({said_text(line) for line in results["sft"]["zerofix_lines"]
+                   if "averages a term over its own micro-batch" in line})
     assert len(said) == 1, results["sft"]["zerofix_lines"]
     assert "AxolotlTrainer set model_accepts_loss_kwargs = False" in said[0], said
     assert "zerofix follows that setting" in said[0] and "mean of means stays as upstream computes it" in said[0], said
@@ -60,7 +68,7 @@ def test_axolotl_sft_is_said_and_followed_handed_on_the_users_word_and_dpo_is_ri
     lines = hand["zerofix_lines"]
     assert any("the loss is divided by num_items_in_batch; zerofix changed 4 of its first 4 backwards" in line
                for line in lines), lines
-    assert not [line for line in lines if "WARNING" in line], lines
+    assert not [line for line in lines if "averages a term" in line or "[WARNING] [zerofix]" in line], lines
 
     for row in ("sft", "sft-hand", "dpo"):  # docs/frameworks.md's generated table (axolotl_suite.py --write-docs)
         assert tool.doc_rows().get(row) == tool.table_row(results[row]), (tool.doc_rows().get(row), results[row])
