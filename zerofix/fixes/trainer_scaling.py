@@ -861,18 +861,18 @@ def _read_micro_means(step: TrainerStep, verdict, loss) -> None:
     where = "the first window's" if state.means_windows == 1 else f"window {state.means_windows}'s"
     term = (f"a {kind} over {', '.join(map(str, counts))} elements in {where} {len(counts)} micro-batches"
             + (f" over {world} processes" if world > 1 else ""))
-    said, tail = _means_said(step, term, rescaled, coincided)
+    # issue 60: axolotl 0.19's trainer sets the flag False for every model whose inner forward lacks the parameter by
+    # name; the Trainer then hands the model's own loss (the base compute_loss ran: the term is the model's) no count.
+    # Its own path: followed, and said with the setting (a trainer's own loss, TRL's ORPO, keeps the other words)
+    withheld = not state.unreached and step.base_ran and _count_withheld_by_trainer(trainer, trainer.model)
+    said, tail = _means_said(step, term, rescaled, coincided, "zerofix hands it no count against that setting"
+                             if withheld else "zerofix cannot hand that term a count")
     if state.unreached:  # issue 59: the head whose own mean it is, which no count reaches, named
         said = (f"(computed by {state.unreached}, which takes no count: zerofix handed it num_items_in_batch and its "
                 "forward computes its own mean, not through a loss function zerofix can hand it"
                 + (", and zerofix could not prove that mean from the logits it returns (the only mean it weighs)"
                    if state.own_mean == (state.unreached, False) else "") + ") " + said)
-    # issue 60: axolotl 0.19's trainer sets the flag False for every model whose inner forward lacks the parameter by
-    # name; the Trainer then hands the model's own loss (the base compute_loss ran: the term is the model's) no count.
-    # Its own path: followed, and said with the setting (a trainer's own loss, TRL's ORPO, keeps the other words)
-    withheld = not state.unreached and step.base_ran and _count_withheld_by_trainer(trainer, trainer.model)
     if withheld:
-        said = said.replace("zerofix cannot hand that term a count", "zerofix hands it no count against that setting")
         said = (f"(the Trainer hands the model no num_items_in_batch: {type(trainer).__name__} set "
                 "model_accepts_loss_kwargs = False where the model's forward takes **kwargs, so the Trainer divides "
                 "each micro-batch's loss by gradient_accumulation_steps instead; zerofix follows that setting) " + said)
@@ -891,8 +891,9 @@ def _read_micro_means(step: TrainerStep, verdict, loss) -> None:
 def _count_withheld_by_trainer(trainer, model) -> bool:
     """Whether the trainer's ``model_accepts_loss_kwargs`` is False against the Trainer's own reading of the model
     (the model declares loss kwargs), with no ``compute_loss_func``: the Trainer then never hands the model's loss the
-    count. Only the WARNING's words depend on it (with the base compute_loss having run: the loss is the model's own);
-    zerofix follows the setting (a run may want micro-batch means)."""
+    count. zerofix follows the setting (a run may want micro-batch means) and its micro-batch-mean WARNING names it
+    (where the base compute_loss ran: the loss is the model's own); only ``ZEROFIX_HAND_COUNT_TO_MODEL=1`` has the count
+    handed (count_never_handed)."""
     if getattr(trainer, "model_accepts_loss_kwargs", True) is not False:
         return False
     if getattr(trainer, "compute_loss_func", None) is not None:
@@ -914,14 +915,14 @@ def _across_ranks(records: list, world: int) -> list:
     return [record for rank in gathered for record in rank]
 
 
-def _means_said(step: TrainerStep, term: str, rescaled, coincided) -> tuple[str, str]:
+def _means_said(step: TrainerStep, term: str, rescaled, coincided, no_count: str) -> tuple[str, str]:
     """What the WARNING of a micro-batch mean term says of the update (after "zerofix: <Trainer>'s loss "), by what this
     run does to it: upstream's scaling, zerofix's rescale of an unstated mean (held for the first window and said here,
-    or said already), or a statement's."""
+    or said already), or a statement's. ``no_count``: why the term gets no count."""
     state = step.state
     plan = step.plan if step.plan is not None else scaling.Plan()
     means = (f"so with gradient accumulation the update averages micro-batch means where one batch of the window's size "
-             "takes one mean; zerofix cannot hand that term a count")
+             f"takes one mean; {no_count}")
     if rescaled is None and not plan.changes:  # upstream's own scaling: a mean of the micro-batch means
         said = f"averages a term over its own micro-batch ({term}), {means}, and that mean of means stays as upstream " \
                "computes it"
@@ -931,14 +932,14 @@ def _means_said(step: TrainerStep, term: str, rescaled, coincided) -> tuple[str,
     if rescaled is not None:  # zerofix's scaling of a micro-batch mean: the mean of the micro-batch means
         return (f"is independent of num_items_in_batch and averages a term over its own micro-batch ({term}): "
                 f"{rescaled[0]}, so the update averages micro-batch means {gave} where one batch of the window's size "
-                "takes one mean; zerofix cannot hand that term a count"), " " + _IF_ALREADY_DIVIDED
+                f"takes one mean; {no_count}"), " " + _IF_ALREADY_DIVIDED
     if _user_statement(state) is None and not state.stated:  # rescaled unstated, said when the first window ended
         return (f"averages a term over its own micro-batch ({term}): zerofix scales it as a micro-batch mean (said "
                 f"above), {means} {gave}"), " " + _IF_ALREADY_DIVIDED
     return (f"averages a term over its own micro-batch ({term}); as stated by {_statement_source(state)}, zerofix "
             f"scales it as {'a micro-batch mean' if step.call.loss_is_mean else 'per accumulation window'} and the "
-            f"update averages micro-batch means {gave} where one batch of the window's size takes one mean; zerofix "
-            "cannot hand that term a count"), ""
+            f"update averages micro-batch means {gave} where one batch of the window's size takes one mean; "
+            f"{no_count}"), ""
 
 
 def _statement_source(state: Known) -> str:
