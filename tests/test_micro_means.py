@@ -226,7 +226,7 @@ def test_a_count_the_trainers_own_flag_withholds_is_followed_and_said_with_the_f
     assert "zerofix hands it no count against that setting" in said[0], said
     assert "say so with ZEROFIX_HAND_COUNT_TO_MODEL=1" in said[0], said
     assert "set model_accepts_loss_kwargs = True on the trainer once it is built" in said[0], said
-    assert result["rel"] > 0.05, result["rel"]  # upstream's (and zerofix's) mean of micro-batch means: 26 - 52% off
+    assert result["rel"] > 0.5, result["rel"]  # the mean of micro-batch means, followed: 0.75 off (latest, 2026-04)
     if result["details"][-1]["corrected"]:  # 2026-04 (5.3): accelerate divides again (#45349); zerofix scales the
         # loss once, as the flag says (a micro-batch mean): the mean of the micro-batch means
         assert "zerofix scales it as a micro-batch mean and the update averages micro-batch means (the Trainer's own " \
