@@ -257,6 +257,8 @@ HOOK = "fixed by deepspeed-output-hook-division"
 GRPO_ROWS = [n for n in plan.NAMES if n.startswith("trl-grpo-")]
 # the GRPO rows run on every stack that installs requests (the grpo extra: latest, 2026-04 and the trl stacks)
 NO_DISTILL_LOOP = "skipped: trl {} has no chunked divergence loop (DistillationTrainer, 1.10.0 - 1.14.x)"
+SP_NO_MESH = ("skipped: transformers' SP loss reads accelerator.torch_device_mesh['sp'], which this accelerate does not "
+              "build for DeepSpeed SP: every SP step stops at its first loss, unpatched and patched")
 EXPECTED = {
     # The default run, every scenario: what the catalogue says each stack does.
     "latest": {**{n: "ok" for n in plan.NAMES},
@@ -268,6 +270,8 @@ EXPECTED = {
                **{f"deepspeed-zero{s}-{o}manual": MANUAL for s in (1, 2) for o in ("", "offload-")},
                "trl-sft-uneven-chunks": "skipped: trl 1.16.0 has no _chunked_cross_entropy_loss (1.4.0 - 1.14.x; "
                "from 1.15.0 chunked_nll is nll)", "trl-distill-uneven-chunks": NO_DISTILL_LOOP.format("1.16.0"),
+               # DeepSpeed Ulysses: 2x the mean of micro-batch means (ZeRO-2), the mean of means (ZeRO-3)
+               **{f"trainer-sp-zero{s}": "fixed by transformers-deepspeed-sp-loss" for s in (2, 3)},
                },
     "2026-04": {
         **{n: "ok" for n in plan.NAMES},
@@ -288,6 +292,8 @@ EXPECTED = {
         **{f"deepspeed-zero{s}-{o}manual": MANUAL for s in (1, 2) for o in ("", "offload-")},
         "deepspeed-zero2-offload-own": "fixed by deepspeed-offload-accumulator",
         "deepspeed-zero1-bf16-own": "fixed by deepspeed-bf16-boundary-reduction",
+        # transformers 5.3 with accelerate 1.13: every SP step stops at its first loss (no device mesh)
+        **{f"trainer-sp-zero{s}": SP_NO_MESH for s in (2, 3)},
     },
 }
 
@@ -297,7 +303,7 @@ EXPECTED = {
 # (--quick's smoke), trainer-zero2 and accelerate-zero2 on 2026-04 / trainer-zero2 on latest (with a user's
 # configuration, tests/test_check_own_config.py), trainer-zero3 (test_trainer_scaling), accelerate-ddp
 # (test_accelerate_loop), zero3-loss (test_zero3_loss), trl-sft (test_trl_chunked_nll).
-RUNS = {"latest": "trainer-ddp-*,accelerate-zero2-*,deepspeed-*",
+RUNS = {"latest": "trainer-ddp-*,accelerate-zero2-*,deepspeed-*,trainer-sp-*",
         "2026-04": "trainer-ddp-*,deepspeed-*-manual,deepspeed-zero2-offload-own,deepspeed-zero1-bf16-own"}
 
 
@@ -326,7 +332,10 @@ def test_default_run_verdicts(tmp_path, stack):
 ZERO12 = "fixed by deepspeed-zero12-accumulator"
 SUBSETS = {
     # The older stacks (the full run is ~1.5 min each): the scenarios that show each stack's bugs.
-    "2025-12": ("trainer-zero2-*,trainer-zero3-*,accelerate-zero2-custom", {
+    "2025-12": ("trainer-zero2-*,trainer-zero3-*,accelerate-zero2-custom,trainer-sp-*", {
+        # DeepSpeed Ulysses on 5.0 / 0.18.3: 0.5x the mean of means (GA divided twice); the SP entry passes
+        # scale_wrt_gas=False, which 0.18.3 honours only with its 0.19 handling backported
+        **{f"trainer-sp-zero{s}": "fixed by transformers-deepspeed-sp-loss + deepspeed-scale-wrt-gas" for s in (2, 3)},
         **{f"trainer-zero{s}-{m}": "fixed by deepspeed-scale-wrt-gas" for s in (2, 3) for m in ("causal-lm", "custom")},
         # the classifier: GAS x processes from the Trainer, then DeepSpeed 0.18.3's division (1/GAS^2, 1/GAS)
         **{f"trainer-zero{s}-seq-cls": "fixed by transformers-trainer-scaling + deepspeed-scale-wrt-gas" for s in (2, 3)},

@@ -128,3 +128,27 @@ def test_an_inline_mean_is_proven_on_cuda_within_its_chunk(dtype):
     assert grown < 4 * own_mean.CHUNK_BYTES / 2**20, grown
     wrong = own_mean.prove(loss + 1e-3 * loss.detach(), logits, labels, mask)
     assert wrong is None
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an SP group of 2 needs 2 GPUs (NCCL refuses two ranks on "
+                                                         "one device)")
+def test_the_trainer_on_deepspeed_ulysses_trains_the_token_mean_on_nccl(tmp_path):
+    """Issue 61 on NCCL: DeepSpeed Ulysses through the Trainer, 2 GPUs (one SP group), fp32, ZeRO-2 and 3 at GA 2;
+    unpatched the factor measured on gloo (2x / 1x the mean of micro-batch means), patched the window's token mean."""
+    pytest.importorskip("deepspeed")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cells = [{"zero": 2, "gas": 2}, {"zero": 3, "gas": 2}]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZEROFIX", "_ZEROFIX"))}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "zerofix.check.sequence_parallel", "--backend", "nccl", "--out", str(tmp_path),
+                           "--cells", json.dumps(cells)], env=env, capture_output=True, text=True, timeout=600)
+    assert (tmp_path / "result.jsonl").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "result.jsonl").read_text().splitlines()]
+    for cell, factor in zip(cells, (2.0, 1.0)):
+        bug, fixed = [r for r in rows if r["zero"] == cell["zero"]]
+        assert bug["means"]["ratio"] == pytest.approx(factor, rel=1e-3), bug
+        assert fixed["token"]["rel_err"] < 1e-4, fixed  # TF32 may be on for CUDA matmuls

@@ -122,3 +122,38 @@ def test_the_trainers_log_line_says_not_covered():
     assert aside[1].startswith("zerofix: 0 fixes act on this run")
     fsdp = summary_lines(records, deepspeed=False, path=paths.Path("FSDP2", True))
     assert fsdp == ["zerofix: 1 fix acts on this run (through FSDP2): transformers-trainer-scaling (transformers 5.23.0)"]
+
+
+def sp_trainer(stage=2, world=2, sp=2, reduce_scatter=True, prescale=False, predivide=1.0, quantized=False, **pc):
+    """A Trainer under DeepSpeed Ulysses as paths.sequence_parallel_path reads it (accelerate's ParallelismConfig,
+    DeepSpeed's engine attributes and accessors)."""
+    engine = NS(zero_optimization_stage=lambda: stage, seq_dp_world_size=world, sequence_parallel_size=sp,
+                zero_reduce_scatter=lambda: reduce_scatter, postscale_gradients=lambda: not prescale,
+                gradient_predivide_factor=lambda: predivide, zero_quantized_gradients=lambda: quantized)
+    config = NS(**{"sp_size": sp, "sp_backend": "deepspeed", "tp_size": 1, "cp_size": 1, "dp_shard_size": 1, **pc})
+    return NS(accelerator=NS(parallelism_config=config), model_wrapped=engine)
+
+
+@pytest.mark.parametrize("given, name, divisor", [
+    # DeepSpeed 0.18.2 - 0.19.8 divide the sum over every rank by world / sp (ZeRO-0/1/2) ...
+    (sp_trainer(0), "DeepSpeed Ulysses sequence parallel (sp_size=2, 1 data-parallel) ZeRO-0", 1.0),
+    (sp_trainer(2, world=4), "DeepSpeed Ulysses sequence parallel (sp_size=2, 2 data-parallel) ZeRO-2", 2.0),
+    # ... and ZeRO-3's reduce-scatter by the world size
+    (sp_trainer(3, world=4), "DeepSpeed Ulysses sequence parallel (sp_size=2, 2 data-parallel) ZeRO-3", 4.0),
+])
+def test_the_sequence_parallel_path_and_its_reduction(given, name, divisor):
+    assert paths.sequence_parallel_path(given) == (paths.Path(name, True), divisor)
+
+
+@pytest.mark.parametrize("given, why", [
+    (sp_trainer(3, reduce_scatter=False), "without reduce_scatter"),
+    (sp_trainer(2, prescale=True), "prescale_gradients"),
+    (sp_trainer(2, predivide=2.0), "gradient_predivide_factor"),
+    (sp_trainer(3, quantized=True), "quantized gradients"),
+    (sp_trainer(2, tp_size=2), "tensor, context or sharded data parallelism"),
+    (sp_trainer(2, sp=4), "an engine zerofix cannot read"),  # the engine's SP group is not the config's
+    (NS(accelerator=NS(parallelism_config=NS(sp_size=2)), model_wrapped=None), "an engine zerofix cannot read"),
+])
+def test_sequence_parallel_layouts_not_modelled(given, why):
+    path, _ = paths.sequence_parallel_path(given)
+    assert not path.covered and why in path.name, path

@@ -1,7 +1,8 @@
 """Local stand-ins for the hub models and the dataset that transformers' Trainer gradient-accumulation tests load.
 
 transformers' own tests of the Trainer's gradient accumulation (``TrainerGradientAccumulationTest``, the distributed
-loss test) train ``nickypro/tinyllama-15M`` and ``roneneldan/TinyStories-33M`` on wikitext-2's first lines. Nothing
+loss test) train ``nickypro/tinyllama-15M`` and ``roneneldan/TinyStories-33M`` on wikitext-2's first lines; DeepSpeed's Ulysses test
+loads ``hf-internal-testing/tiny-random-LlamaForCausalLM``. Nothing
 can be downloaded here, so this writes, for each of those repository ids, a tiny model of the same architecture
 (Llama, GPT-Neo) with a word-level tokenizer into an offline hub cache: with ``HF_HUB_CACHE`` pointing at it and
 ``HF_HUB_OFFLINE=1``, ``from_pretrained("nickypro/tinyllama-15M")`` loads the stand-in unchanged. The dataset is a
@@ -31,6 +32,8 @@ from pathlib import Path
 STANDINS = {
     "nickypro/tinyllama-15M": ("llama", 400),
     "roneneldan/TinyStories-33M": ("gpt_neo", 0),
+    # DeepSpeed's Ulysses test (tests/unit/ulysses_alst/test_ulysses_sp_hf.py) compares gradients, any Llama does
+    "hf-internal-testing/tiny-random-LlamaForCausalLM": ("llama", 0),
 }
 WORDS = ("the a of and to in is was for on as with by at from that it his her their game series war city river "
          "album song band film season team player church king army ship station road school music year first "

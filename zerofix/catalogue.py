@@ -61,6 +61,7 @@ HOOK = "zerofix.fixes.deepspeed_output_hook_division"
 SHORT = "zerofix.fixes.accelerate_short_window"
 MOE = "zerofix.fixes.trainer_moe_aux"
 CHUNKED = "zerofix.fixes.trainer_chunked_loss"
+SP = "zerofix.fixes.trainer_sequence_parallel"
 
 FIXES: tuple[Fix, ...] = (
     # The Trainer's gradient-accumulation scaling (zerofix.fixes.trainer_scaling, rule in zerofix.scaling):
@@ -119,6 +120,30 @@ FIXES: tuple[Fix, ...] = (
         "micro-batch means; 4.46-4.47 never divide a loss without loss kwargs, 4.46-4.48 with DeepSpeed and "
         "5.2.0-5.5.3 without it divide a per-window loss twice",
         covers="trainer: one process, DDP, DeepSpeed ZeRO-0..3, FSDP1, FSDP2 (paths.trainer_path)",
+    ),
+    # DeepSpeed Ulysses sequence parallelism under the Trainer (zerofix.fixes.trainer_sequence_parallel): the one path
+    # transformers-trainer-scaling stands aside on that has a model of its own (paths.sequence_parallel_path).
+    Fix(
+        id="transformers-deepspeed-sp-loss",
+        title="Under DeepSpeed sequence parallelism the Trainer trains sp_size x the mean of micro-batch means "
+        "(ZeRO-0/1/2), or the mean of micro-batch means (ZeRO-3), and never calls compute_loss_func",
+        dist="transformers",
+        # the SP branch of Trainer.compute_loss (deepspeed_sp_compute_loss) exists from 5.0.0 (4.57.1 has none);
+        # measured wrong on 5.0.0, 5.3.0 and 5.24.0; the structural check requires the branch
+        affected=">=5.0.0.dev0",
+        targets=(
+            Target("transformers.trainer", "Trainer.get_batch_samples", SP + ":get_batch_samples"),
+            Target("transformers.trainer", "Trainer.compute_loss", SP + ":compute_loss"),
+            Target("accelerate.accelerator", "Accelerator.backward", SP + ":backward"),
+        ),
+        implementation=SP,
+        fixed_in=None,
+        where="Trainer with parallelism_config=ParallelismConfig(sp_backend='deepspeed', sp_size > 1): the SP "
+        "ranks' gradients of each micro-batch's mean are summed (sp_size x on ZeRO-0/1/2), micro-batches are "
+        "averaged as means under gradient accumulation, and a compute_loss_func is silently not called",
+        covers="trainer: DeepSpeed Ulysses sequence parallel on ZeRO-0/1/2, and ZeRO-3 with reduce-scatter "
+        "(paths.sequence_parallel_path)",
+        acts_when="the run trains with DeepSpeed sequence parallelism (sp_size > 1)",
     ),
     # Not a bug: a switch. The Trainer's causal-LM / vision-language training loss through zerofix's chunked loss,
     # without the full logits (zerofix.fixes.trainer_chunked_loss); opt-in, a route decided per model by a probe.

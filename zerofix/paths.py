@@ -10,9 +10,13 @@ paths it models and stands aside elsewhere, saying "not covered: <path>" in the 
   FSDP measured through ``zerofix.check.fsdp_cpu``);
 - the raw DeepSpeed entries model a data-parallel engine: every rank holds a different micro-batch.
 
+- DeepSpeed Ulysses sequence parallelism under the Trainer (``parallelism_config`` with ``sp_backend="deepspeed"``) is
+  modelled by ``transformers-deepspeed-sp-loss`` alone (``sequence_parallel_path``: what DeepSpeed's reduction divides
+  the sum over every rank by); every other entry stands aside on it.
+
 Not modelled, so not covered: tensor parallelism (``tp_plan`` / ``tp_size``, accelerate's ``parallelism_config``,
-DeepSpeed AutoTP), context parallelism (``cp_size``), sequence parallelism (``sp_size``, DeepSpeed Ulysses'
-``sequence_parallel_size``), HSDP (replicated shards), torch ``DataParallel`` (``n_gpu > 1`` in one process), XLA,
+DeepSpeed AutoTP), context parallelism (``cp_size``), sequence parallelism elsewhere (``sp_size`` for the entries above,
+a raw engine's ``sequence_parallel_size``), HSDP (replicated shards), torch ``DataParallel`` (``n_gpu > 1`` in one process), XLA,
 Megatron-LM, and any distributed type accelerate adds later. On those, ranks share micro-batches or the loss is
 split across ranks, and the count of processes is no longer the count of data-parallel replicas.
 
@@ -157,3 +161,42 @@ def not_covered(fix_id: str) -> list[str]:
 
 def reset() -> None:
     _stood_aside.clear()
+
+
+def _called(obj, name, default=None):
+    value = getattr(obj, name, None)
+    try:
+        return value() if callable(value) else default
+    except Exception:  # noqa: BLE001 - a release whose accessor needs a config it lacks: the default
+        return default
+
+
+def sequence_parallel_path(trainer) -> tuple[Path, float]:
+    """The Trainer's DeepSpeed Ulysses sequence-parallel path (``parallelism_config`` with ``sp_backend="deepspeed"``)
+    and what DeepSpeed's gradient reduction divides the sum over every rank by, as read in DeepSpeed 0.18.2 - 0.19.8:
+    ``world / sp`` on ZeRO-0/1/2 and ZeRO-3's contiguous buckets (``... / float(self.sequence_parallel_size)``), the
+    world size on ZeRO-3's reduce-scatter (``reduce_scatter_coalesced`` pre-divides by the group's size). Covered
+    (``transformers-deepspeed-sp-loss``) where that divisor is one number for every gradient: ZeRO-0/1/2, and ZeRO-3
+    with reduce-scatter (its default); no gradient pre-division, no ``prescale_gradients``, no quantized gradients."""
+    pc = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
+    sp = _size(pc, "sp_size")
+    engine = getattr(trainer, "model_wrapped", None)
+    stage = _called(engine, "zero_optimization_stage")
+    name = f"DeepSpeed Ulysses sequence parallel (sp_size={sp}"
+    world = _size(engine, "seq_dp_world_size")
+    engine_sp = _size(engine, "sequence_parallel_size")
+    if stage is None or engine_sp != sp or world % sp:
+        return Path(f"{name}) on an engine zerofix cannot read", False), 1.0
+    name += f", {world // sp} data-parallel) ZeRO-{stage}"
+    if _size(pc, "tp_size") > 1 or _size(pc, "cp_size") > 1 or _size(pc, "dp_shard_size") > 1:
+        return Path(f"{name} with tensor, context or sharded data parallelism", False), 1.0
+    if not _called(engine, "postscale_gradients", True) or _called(engine, "gradient_predivide_factor", 1.0) != 1.0:
+        return Path(f"{name} with prescale_gradients or a gradient_predivide_factor", False), 1.0
+    if _called(engine, "zero_quantized_gradients", False):
+        return Path(f"{name} with quantized gradients", False), 1.0
+    if stage == 3:
+        if not _called(engine, "zero_reduce_scatter", True):
+            return Path(f"{name} without reduce_scatter (its buckets divide by either world or world / sp)",
+                        False), 1.0
+        return Path(name, True), float(world)
+    return Path(name, True), float(world // sp)

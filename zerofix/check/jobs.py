@@ -448,7 +448,30 @@ def your_zero3_loss(job, rows, nproc, timeout, workdir, user):
     return zero3_loss(job, rows, nproc, timeout, workdir, tied=user["tied"])
 
 
-PLANNERS = {"deepspeed": deepspeed, "zero3-loss": zero3_loss, "trl-sft": trl_sft, "trl-sft-uneven": trl_sft_uneven,
+SEQUENCE_PARALLEL = "zerofix.check.sequence_parallel"
+
+
+def trainer_sp(job, rows, nproc, timeout, workdir):
+    """The Trainer under DeepSpeed Ulysses (``zerofix.check.sequence_parallel``): one SP group of every rank, GA 2,
+    samples whose counted labels split unevenly over the shards; compared with the window's token mean."""
+    cells = [{"zero": int(r.name.rsplit("zero", 1)[1]), "gas": 2, "sp": nproc} for r in rows]
+    request = runner.Request(name=job.name, module=SEQUENCE_PARALLEL, argv=("--cells", "{out}/cells.json", "--out",
+                             "{out}"), nproc=nproc, files=runner.files(**{"cells.json": cells}), timeout=timeout,
+                             imports=("deepspeed", "transformers.trainer"), interpret=lambda folder, records: records)
+
+    def results(batch):
+        measured = [x for record in batch.records(request) for x in record.get("results", ())]
+        out = {}
+        for row, cell in zip(rows, cells, strict=True):
+            runs = {m["variant"]: m for m in measured if m["zero"] == cell["zero"]}
+            variant = {k: ({"error": v["error"]} if "error" in v else _outcome(v["token"])) for k, v in runs.items()}
+            out[row.name] = {**variant, "applied": _applied(runs.get("patched", {}).get("status", {}), row.fixes)}
+        return out
+
+    return Planned([request], results)
+
+
+PLANNERS = {"deepspeed": deepspeed, "trainer-sp": trainer_sp, "zero3-loss": zero3_loss, "trl-sft": trl_sft, "trl-sft-uneven": trl_sft_uneven,
             "trl-distill-uneven": trl_distill_uneven, "trl-grpo": trl_grpo}
 USER_PLANNERS = {"your-trainer": your_trainer, "your-accelerate": your_accelerate, "your-deepspeed": your_deepspeed,
                  "your-zero3-loss": your_zero3_loss}

@@ -16,6 +16,7 @@ MOE_FIXES = ("transformers-trainer-scaling", "transformers-moe-aux-loss")
 # accelerate's FSDP2 through the Trainer: measured from accelerate 1.10.1 (zerofix.check.fsdp_cpu on CPU)
 FSDP2_VERSIONS = (("accelerate", ">=1.10.1", "is older than the FSDP2 scenario (accelerate >= 1.10.1)"),)
 TRAINER_DS_FIXES = ("transformers-trainer-scaling", "deepspeed-scale-wrt-gas", "deepspeed-zero12-accumulator")
+SP_FIXES = ("transformers-deepspeed-sp-loss", "deepspeed-scale-wrt-gas")
 DS_MANUAL_FIXES = ("deepspeed-manual-accumulation", "deepspeed-zero12-accumulator")
 # not deepspeed-scale-wrt-gas: it changes only a backward given scale_wrt_gas=False, which DeepSpeed's own loop
 # never passes (the Trainer does: TRAINER_DS_FIXES)
@@ -48,6 +49,12 @@ JOBS = {job.name: job for job in (
     Job("trainer-fsdp2", ("transformers", "accelerate"), versions=FSDP2_VERSIONS, fsdp=2),
     Job("trainer-zero2", ("transformers", "accelerate", "deepspeed"), zero_stage=2),
     Job("trainer-zero3", ("transformers", "accelerate", "deepspeed"), zero_stage=3),
+    # DeepSpeed Ulysses through the Trainer's parallelism_config (zerofix.check.sequence_parallel): every rank one SP
+    # group; transformers' SP branch is 5.0+, accelerate's sp_backend 1.12+, which requires DeepSpeed 0.18.2+
+    Job("trainer-sp", ("transformers", "accelerate", "deepspeed"), min_ranks=2, versions=(
+        ("transformers", ">=5.0.0.dev0", "has no DeepSpeed sequence-parallel branch (5.0+)"),
+        ("accelerate", ">=1.12.0", "has no sp_backend (1.12+)"),
+        ("deepspeed", ">=0.18.2", "is older than accelerate's Ulysses (0.18.2+)"))),
     Job("accelerate-ddp", ("transformers", "accelerate"), min_ranks=2),
     Job("accelerate-zero2", ("transformers", "accelerate", "deepspeed"), zero_stage=2),
     Job("deepspeed", ("deepspeed",)),
@@ -78,6 +85,8 @@ SCENARIOS: tuple[Scenario, ...] = (
       for m, d in _MODELS.items() if m != "custom"),
     *(Scenario(f"trainer-zero{s}-{m}", f"trainer-zero{s}", f"Trainer, GAS=8, DeepSpeed ZeRO-{s}, {d}", TRAINER_DS_FIXES)
       for s in (2, 3) for m, d in _MODELS.items()),
+    *(Scenario(f"trainer-sp-zero{s}", "trainer-sp", f"Trainer, GAS=2, DeepSpeed Ulysses sequence parallel (sp_size = "
+               f"ranks), ZeRO-{s}, tiny Llama, uneven counts over the shards", SP_FIXES) for s in (2, 3)),
     *(Scenario(f"accelerate-ddp-{m}", "accelerate-ddp", f"Accelerate accumulate(), GAS=4, DDP, {d}")
       for m, d in _LM_MODELS.items()),
     *(Scenario(f"accelerate-zero2-{m}", "accelerate-zero2", f"Accelerate accumulate(), GAS=4, DeepSpeed ZeRO-2, {d}",
@@ -275,7 +284,29 @@ def skip_reason(job: Job, nproc: int, found: dict, unreproducible=()) -> str | N
     ranks = 1 if job.ranks == "1" else nproc
     if ranks < job.min_ranks:
         return f"needs {job.min_ranks} ranks (--nproc {nproc})"
+    if job.name == "trainer-sp" and _sp_loss_needs_a_missing_mesh():
+        return ("transformers' SP loss reads accelerator.torch_device_mesh['sp'], which this accelerate does not "
+                "build for DeepSpeed SP: every SP step stops at its first loss, unpatched and patched")
     return None
+
+
+def _sp_loss_needs_a_missing_mesh() -> bool:
+    """transformers 5.0 - 5.x's SP loss takes its group from ``accelerator.torch_device_mesh["sp"]`` only; accelerate
+    1.13+ builds no device mesh for DeepSpeed SP. Read in the installed sources (no import: the plan stays cheap);
+    measured on transformers 5.3 / accelerate 1.13 (tests/test_trainer_sequence_parallel.py)."""
+    import importlib.util
+
+    def text(module: str, file: str) -> str:
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.submodule_search_locations:
+            return ""
+        path = Path(list(spec.submodule_search_locations)[0]) / file
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    loss = text("transformers", "integrations/deepspeed.py") + text("transformers", "trainer.py")
+    mesh = text("accelerate", "parallelism_config.py")
+    reads_mesh = 'torch_device_mesh["sp"]' in loss and "_get_sequence_parallel_group" not in loss
+    return reads_mesh and 'self.sp_backend == "deepspeed" and self.sp_size > 1:\n            return None' in mesh
 
 
 def model_setup(model_path, *, workdir: Path, gas=None, fsdp_config=None) -> dict:
