@@ -170,16 +170,13 @@ def get_batch_samples(wrapped, trainer, args, kwargs):
 
 
 def compute_loss(wrapped, trainer, args, kwargs):
-    run = _open_run(trainer)
     model = args[0] if args else kwargs.get("model")
-    if run is None or not getattr(model, "training", False):
+    training = getattr(model, "training", False)
+    if training and getattr(trainer, "compute_loss_func", None) is not None and sp_config(trainer) is not None:
+        _say_loss_func_dropped(trainer)
+    run = _open_run(trainer)
+    if run is None or not training:
         return wrapped(*args, **kwargs)
-    if getattr(trainer, "compute_loss_func", None) is not None and "compute_loss_func" not in run.said:
-        run.said.add("compute_loss_func")
-        _warn_main(trainer, "zerofix: compute_loss_func is not called under DeepSpeed sequence parallelism: "
-                   "transformers' deepspeed_sp_compute_loss trains the model's own loss instead (upstream drops the "
-                   "function silently); zerofix trains that model loss at the window's token mean, and your function "
-                   "still is not called")
     call_args, call_kwargs, wants_outputs = _with_outputs(args, kwargs)
     loss, outputs = wrapped(*call_args, **call_kwargs)
     inputs = call_args[1] if len(call_args) > 1 else call_kwargs["inputs"]
@@ -189,6 +186,19 @@ def compute_loss(wrapped, trainer, args, kwargs):
     term = torch.where(count > 0, shard * count, torch.zeros_like(shard))
     run.pending, run.returned = term, loss
     return (loss, outputs) if wants_outputs else loss
+
+
+def _say_loss_func_dropped(trainer) -> None:
+    """Once a run, on every SP path (covered or not): upstream's SP branch returns before a compute_loss_func."""
+    run = _run_of(trainer)
+    if run is None or "compute_loss_func" in run.said:
+        return
+    run.said.add("compute_loss_func")
+    _warn_main(trainer, "zerofix: compute_loss_func is not called under DeepSpeed sequence parallelism: transformers' "
+               "deepspeed_sp_compute_loss trains the model's own loss instead (upstream drops the function silently); "
+               "%s, and your function still is not called",
+               "zerofix trains that model loss at the window's token mean" if run.path.covered else
+               f"zerofix stands aside on this run ({run.path})")
 
 
 def _open_run(trainer):
