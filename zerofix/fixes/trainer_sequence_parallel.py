@@ -46,6 +46,7 @@ import torch
 
 from zerofix import paths
 from zerofix.fixes.contract import Check, drifted, found
+from zerofix.fixes.trainer_scaling import _warn_main  # a warning on the main process only (every rank decides alike)
 from zerofix.identity import WeakIdentityMap
 
 FIX_ID = "transformers-deepspeed-sp-loss"
@@ -115,12 +116,9 @@ def _run_of(trainer):
             return None
         if not path.covered:
             _stand_aside(trainer, run, path)
-        else:
+        else:  # what it did is said once it did it: the Trainer's log (acted_in) and zerofix status
             _details.append({"trainer": type(trainer).__name__, "path": path.name, "divisor": divisor,
                              "backwards": 0, "replaced": 0})
-            _info_main(trainer, "zerofix: %s: %s trains each micro-batch's shards at the window's token mean (the sum "
-                       "of every counted token's loss over the window's count, across every rank); upstream's loss "
-                       "is returned and logged unchanged", path, FIX_ID)
     return run
 
 
@@ -128,16 +126,6 @@ def _stand_aside(trainer, run, path) -> None:
     if paths.stood_aside(FIX_ID, path):
         _warn_main(trainer, "zerofix: %s stands aside on this run, %s: the Trainer's own sequence-parallel loss "
                    "trains unchanged (S x the mean of micro-batch means on ZeRO-0/1/2)", FIX_ID, path)
-
-
-def _info_main(trainer, msg, *args):
-    if getattr(getattr(trainer, "accelerator", None), "is_main_process", True):
-        _log.info(msg, *args)
-
-
-def _warn_main(trainer, msg, *args):
-    if getattr(getattr(trainer, "accelerator", None), "is_main_process", True):
-        _log.warning(msg, *args)
 
 
 def get_batch_samples(wrapped, trainer, args, kwargs):
@@ -237,9 +225,11 @@ def backward(wrapped, accelerator, args, kwargs):
     term, returned, run.pending, run.returned = run.pending, run.returned, None, None
     given = args[0] if args else kwargs.get("loss")
     if term is None:  # the user's compute_loss never reached Trainer.compute_loss: its loss is not one zerofix read
-        return _not_ours(run, "with a compute_loss that does not reach Trainer.compute_loss", wrapped, args, kwargs)
+        return _not_ours(accelerator, run, "with a compute_loss that does not reach Trainer.compute_loss", wrapped, args,
+                         kwargs)
     if not _upstreams(given, returned):  # a compute_loss that changed what the base one returned (an added term)
-        return _not_ours(run, "with a compute_loss that changes Trainer.compute_loss's loss", wrapped, args, kwargs)
+        return _not_ours(accelerator, run, "with a compute_loss that changes Trainer.compute_loss's loss", wrapped, args,
+                         kwargs)
     loss = term * (run.divisor / run.count.to(term.device, torch.float64).clamp(min=1)).to(term.dtype)
     run.replaced += 1
     run.in_window += 1
@@ -267,11 +257,12 @@ def _upstreams(given, returned) -> bool:
     return len(inputs) == 1 and inputs[0] is returned.grad_fn
 
 
-def _not_ours(run, why, wrapped, args, kwargs):
-    """From this micro-batch on the run is upstream's (said once): the loss is not one zerofix read."""
+def _not_ours(accelerator, run, why, wrapped, args, kwargs):
+    """From this micro-batch on the run is upstream's (said once, by the main process): the loss is not one zerofix
+    read."""
     run.path = paths.Path(f"{run.path.name} {why}", False)
     run.count, run.left = None, 0
-    if paths.stood_aside(FIX_ID, run.path):
+    if paths.stood_aside(FIX_ID, run.path) and getattr(accelerator, "is_main_process", True):
         _log.warning("zerofix: %s stands aside from here on, %s: the Trainer's own sequence-parallel loss trains "
                      "unchanged%s", FIX_ID, run.path,
                      f" ({run.in_window} earlier micro-batch(es) of this window were trained at its token mean)"
