@@ -6,13 +6,14 @@ Real Trainer, real DeepSpeed Ulysses (``parallelism_config=ParallelismConfig(sp_
 none. Every cell is compared with a float64 reference computed by hand in rank 0 on the samples the step trained on
 (read from the ranks' collators): the gradient of the window's token mean, and of the mean of micro-batch means.
 
-Unpatched, each cell asserts the factor measured on its stack (the same on 5.0, 5.3 and 5.24): sp_size x the
-micro-batch mean on ZeRO-0/1/2 (its reduction divides the sum over SP ranks by world / sp), right on ZeRO-3 at one
-micro-batch, the mean of micro-batch means at GA 2 (x2 on ZeRO-1/2), x4 / x2 with a compute_loss_func, which is never
-called; on 4 gloo ranks upstream stops in the backward of its loss's ``all_gather`` ("Global rank 0 is not part of
-group"). Patched, every cell is the window's token mean (relative error of the update under 1e-6); where upstream is
-right (ZeRO-3, one micro-batch, one SP group) or not modelled (ZeRO-3 without reduce-scatter) the update is bitwise
-upstream's.
+Unpatched, each cell asserts the factor measured on its stack. On latest (5.24): sp_size x the micro-batch mean on
+ZeRO-0/1/2 (its reduction divides the sum over SP ranks by world / sp), right on ZeRO-3 at one micro-batch, the mean of
+micro-batch means at GA 2 (x2 on ZeRO-0/1/2), x4 / x2 with a compute_loss_func, which is never called; on 4 gloo ranks
+upstream stops in the backward of its loss's ``all_gather`` ("Global rank 0 is not part of group"). On 2025-12 (5.0):
+the same at GA 1, 0.5 x the mean of means at GA 2. On 2026-04 (5.3 with accelerate 1.13) every SP step stops at its
+first loss, unpatched and patched. Patched, every cell is the window's token mean (relative error of the update under
+1e-6); where upstream is right (ZeRO-3, one micro-batch, one SP group), or zerofix stands aside (ZeRO-3 without
+reduce-scatter, a compute_loss adding a term), the update is bitwise upstream's on latest.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ ENTRY = "transformers-deepspeed-sp-loss"
 
 # (cell, the reference the unpatched update is a multiple of, that multiple on latest / on 2025-12), measured. 5.24 passes
 # scale_wrt_gas=False and DeepSpeed 0.19.8 honours it: the SP factor shows (x2 on ZeRO-0/1/2, and x2 again where a
-# compute_loss_func makes the Trainer skip its division). 5.0 with DeepSpeed 0.18.3 divides by GA twice (the engine
-# ignores scale_wrt_gas=False): 0.5 x the mean of means at GA 2 on every stage.
+# compute_loss_func makes the Trainer skip its division). 5.0 with DeepSpeed 0.18.3 divides by GA again (0.18.3 ignores
+# scale_wrt_gas=False, and its output hooks divide): 0.5 x the mean of means at GA 2 on every stage.
 TWO_RANKS = [
     ({"zero": 1, "gas": 1, "bs": 2}, "token", {"latest": 2.0, "2025-12": 2.0}),
     ({"zero": 2, "gas": 1, "bs": 2}, "token", {"latest": 2.0, "2025-12": 2.0}),
