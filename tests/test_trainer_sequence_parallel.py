@@ -51,8 +51,9 @@ TWO_RANKS = [
 ]
 # the other stacks: one cell of each kind (CI time); latest runs them all and the 4-rank layout
 SHORT = [0, 2, 5, 7, 9]
-FOUR_RANKS = [{"zero": 1, "gas": 2}, {"zero": 2, "gas": 2}, {"zero": 3, "gas": 2}, {"zero": 3, "gas": 1, "bs": 2},
-              {"zero": 2, "gas": 1, "bs": 2}, {"zero": 2, "gas": 2, "loss_func": True}]
+FOUR_RANKS = [{"zero": 1, "gas": 2}, {"zero": 2, "gas": 2}, {"zero": 3, "gas": 2}, {"zero": 1, "gas": 1, "bs": 2},
+              {"zero": 2, "gas": 1, "bs": 2}, {"zero": 3, "gas": 1, "bs": 2}, {"zero": 2, "gas": 2, "loss_func": True},
+              {"zero": 3, "gas": 2, "loss_func": True}]
 
 
 def launch(tmp_path, nproc: int, cells: list[dict], variants: str) -> tuple[list[dict], list[dict], str]:
