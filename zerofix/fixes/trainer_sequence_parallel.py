@@ -85,7 +85,7 @@ def structural_check(fix_id: str, targets) -> Check:
     (transformers >= 5.0); releases without that branch have no such path."""
     import inspect
     compute = inspect.unwrap(targets["Trainer.compute_loss"])
-    # 5.0 - 5.1: the method Trainer._deepspeed_sp_compute_loss; later: transformers.integrations.deepspeed's function
+    # 5.0: the method Trainer._deepspeed_sp_compute_loss; 5.3 - 5.24 (read): transformers.integrations.deepspeed's
     if not {"deepspeed_sp_compute_loss", "_deepspeed_sp_compute_loss"} & set(compute.__code__.co_names):
         return drifted("Trainer.compute_loss has no DeepSpeed sequence-parallel branch")
     return found()
