@@ -392,15 +392,16 @@ def test_quick_runs_one_process_and_its_small_set(tmp_path):
 
 HALVE_LOSS = '''
 import os
-# Only in the ranks of the scenario's job (torchrun sets LOCAL_RANK), never in zerofix check itself, which
-# computes the reference: every backward of the run sees half the loss. No catalogue entry explains it.
-if "LOCAL_RANK" in os.environ and os.environ.get("HALVE_THE_LOSS") == "1":
+# Only in the ranks of the scenario's job (their launcher sets LOCAL_RANK), never in zerofix check itself, which
+# computes the reference: every backward of the run sees half the loss. No catalogue entry explains it. Asked at
+# each backward, not at start-up: zerofix check forks its ranks from a process that started without LOCAL_RANK.
+if os.environ.get("HALVE_THE_LOSS") == "1":
     import torch
 
     _backward = torch.Tensor.backward
 
     def backward(self, *args, **kwargs):
-        return _backward(self * 0.5, *args, **kwargs)
+        return _backward(self * 0.5 if "LOCAL_RANK" in os.environ else self, *args, **kwargs)
 
     torch.Tensor.backward = backward
 '''

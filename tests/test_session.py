@@ -81,8 +81,9 @@ def test_a_request_is_known_by_what_it_does():
 
 @pytest.mark.distributed
 @pytest.mark.smoke
-def test_runs_share_one_launch_and_start_from_the_same_random_state(tmp_path):
-    batch = runner.Batch(tmp_path)
+@pytest.mark.parametrize("fork", [False, True], ids=["torchrun", "forked"])
+def test_runs_share_one_launch_and_start_from_the_same_random_state(tmp_path, fork):
+    batch = runner.Batch(tmp_path, fork=fork)
     group = [probe(t) for t in "abc"]
     single = [probe(f"single-{t}", nproc=1, needs_group=False) for t in "ab"]
     batch.add(*group, *single)
@@ -101,8 +102,9 @@ def test_runs_share_one_launch_and_start_from_the_same_random_state(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.stack("latest")  # the runner's own behaviour: one stack is enough (CI time)
-def test_a_run_that_hangs_fails_alone_and_the_others_still_run(tmp_path):
-    batch = runner.Batch(tmp_path)
+@pytest.mark.parametrize("fork", [False, True], ids=["torchrun", "forked"])
+def test_a_run_that_hangs_fails_alone_and_the_others_still_run(tmp_path, fork):
+    batch = runner.Batch(tmp_path, fork=fork)
     before, hung, after = probe("before"), probe("hung", "--hang", "1", timeout=5), probe("after")
     batch.add(before, hung, after)
     batch.run()
@@ -120,8 +122,9 @@ def test_a_run_that_hangs_fails_alone_and_the_others_still_run(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.stack("latest")  # the runner's own behaviour: one stack is enough (CI time)
-def test_a_run_that_crashes_fails_alone_with_its_own_cause(tmp_path):
-    batch = runner.Batch(tmp_path)
+@pytest.mark.parametrize("fork", [False, True], ids=["torchrun", "forked"])
+def test_a_run_that_crashes_fails_alone_with_its_own_cause(tmp_path, fork):
+    batch = runner.Batch(tmp_path, fork=fork)
     runs = [probe("first"), probe("raises", "--raise", "1"), probe("exits", "--exit", "0"), probe("last")]
     batch.add(*runs)
     batch.run()
@@ -131,6 +134,26 @@ def test_a_run_that_crashes_fails_alone_with_its_own_cause(tmp_path):
     assert raises.error.tail.startswith("rank 1:")
     assert "failed on 2 rank(s)" in str(exits.error) and "raised on purpose" not in exits.error.tail
     assert launches(batch) == ["launch0", "launch1", "launch2"]
+
+
+@pytest.mark.distributed
+@pytest.mark.smoke
+def test_forked_ranks_see_the_environment_torchrun_gives_its_ranks(tmp_path):
+    """``zerofix check`` forks its ranks after one import (``session.fork_ranks``); the suite's matrices launch them
+    with torchrun. A rank sees the same variables either way, with the same values but for the run's own (its port,
+    its id), the store's host (rank 0 without torchrun's agent) and the agent's error file."""
+    own = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
+           "TORCHELASTIC_SIGNALS_TO_HANDLE"}
+    seen = {}
+    for fork in (False, True):
+        batch = runner.Batch(tmp_path / str(fork), fork=fork)
+        request = probe("env")
+        seen[fork] = [r["launch_env"] for r in batch.result(request)]
+    for rank, (torchrun, forked) in enumerate(zip(seen[False], seen[True], strict=True)):
+        assert set(forked) == set(torchrun) - {"TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE"}
+        assert {k: v for k, v in forked.items() if k not in own} == {k: v for k, v in torchrun.items() if k not in own}
+        assert forked["RANK"] == forked["LOCAL_RANK"] == str(rank) and forked["WORLD_SIZE"] == "2"
+        assert (torchrun["TORCHELASTIC_USE_AGENT_STORE"], forked["TORCHELASTIC_USE_AGENT_STORE"]) == ("True", "False")
 
 
 @pytest.mark.distributed
@@ -241,9 +264,10 @@ def same(a: dict, b: dict) -> list[str]:
 @pytest.mark.stack("2026-04", "2025-10")
 def test_records_do_not_depend_on_the_runs_before(tmp_path):
     """The default check's requests, three ways: as the check runs them (one session, its one-process runs on the
-    ranks before the group exists); in the opposite order with a session per rank count (so the first run of the
-    one runs after every other run in the other, and the one-process runs get a launch of their own); and, for the
-    first run, alone. Every run's records and tensors are bitwise the same in all three."""
+    ranks before the group exists, its ranks forked after one import); in the opposite order with a session per rank
+    count under torchrun (so the first run of the one runs after every other run in the other, and the one-process
+    runs get a launch of their own); and, for the first run, alone, under torchrun. Every run's records and tensors
+    are bitwise the same in all three: forked ranks train as torchrun's do."""
     import dataclasses
 
     from zerofix.check import command, jobs, plan
@@ -262,7 +286,7 @@ def test_records_do_not_depend_on_the_runs_before(tmp_path):
     requests = [dataclasses.replace(r, late=False)  # the order as given, nothing moved to the end
                 for name, rows in by_job.items()
                 for r in jobs.plan(plan.job(name), rows, checked.ranks(name), 300, tmp_path / "work", None).requests]
-    forward = runner.Batch(tmp_path / "forward")
+    forward = runner.Batch(tmp_path / "forward", fork=True)  # forked ranks, as zerofix check runs them
     forward.add(*requests)
     forward.run()
     backward = runner.Batch(tmp_path / "backward", together=False)

@@ -120,14 +120,16 @@ _START = "[zerofix session] start "
 
 def run_session(runs, *, nproc: int, session_dir: Path, env: dict | None = None, python: str = sys.executable,
                 imports=(), patched_modules: bool = True, poll: float = 0.1, on_start=None,
-                on_end=None) -> dict[str, Outcome]:
+                on_end=None, fork: bool = False) -> dict[str, Outcome]:
     """Run ``runs`` in order on one set of ``nproc`` ranks (``zerofix.check.session``); {run id: Outcome}.
 
     A run that hangs past its limit (every rank is killed) or crashes fails alone, with its own cause (the failing
     rank's traceback from the session's output since that run started); a fresh session runs the runs after it.
     ``imports``: modules the session imports before its first run (then frozen out of the garbage collector's
     way), with every module zerofix would patch unless ``patched_modules`` is False. ``on_start(run)`` and
-    ``on_end(run, outcome)`` are called as runs start and end (whatever their outcome)."""
+    ``on_end(run, outcome)`` are called as runs start and end (whatever their outcome). ``fork``: the ranks are
+    forked from one process after its imports (``zerofix.check.session.fork_ranks``: one import instead of one per
+    rank, and no launcher agent to start first) instead of launched by torchrun."""
     session_dir = Path(session_dir)
     session_dir.mkdir(parents=True, exist_ok=True)
     if len({r.id for r in runs}) != len(runs):
@@ -150,8 +152,9 @@ def run_session(runs, *, nproc: int, session_dir: Path, env: dict | None = None,
             {"id": r.id, "module": r.module, "argv": [*r.argv, "--out", str(r.out)], "env": dict(r.env),
              "accelerate": json.loads(r.accelerate) if r.accelerate else None, "rank": r.rank} for r in pending]}
         (folder / "plan.json").write_text(json.dumps(plan, indent=1))
-        cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               "-m", SESSION, "--plan", str(folder / "plan.json"), "--dir", str(folder)]
+        session = ["-m", SESSION, "--plan", str(folder / "plan.json"), "--dir", str(folder)]
+        cmd = ([python, "-u", *session, "--fork", str(nproc)] if fork else
+               [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *session])
         try:
             finished, failed, error = _watch(cmd, pending, outcomes, ended, nproc=nproc, folder=folder, env=env,
                                              poll=poll, on_start=on_start)

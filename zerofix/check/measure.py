@@ -4,6 +4,7 @@ one batch (one session of ranks per rank count, ``zerofix.check.runner``), each 
 the other jobs' rows are still measured."""
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,7 +42,10 @@ def run(plan: plans.Plan, *, workdir: Path, timeout: float, found: dict, progres
             if not keys and name not in read:
                 read[name] = reader.submit(_read, planned[name], batch)
 
-    batch = runner.Batch(Path(workdir) / "runs", progress=progress, on_outcome=on_outcome)
+    # The references' libraries, imported while the session's launcher imports its own on the other core: the
+    # reader would otherwise import them later, on a core the ranks train on.
+    threading.Thread(target=_import_reference_libraries, daemon=True).start()
+    batch = runner.Batch(Path(workdir) / "runs", progress=progress, on_outcome=on_outcome, fork=True)
     for job_plan in planned.values():
         batch.add(*job_plan.requests)
     try:
@@ -61,9 +65,26 @@ def run(plan: plans.Plan, *, workdir: Path, timeout: float, found: dict, progres
     return [results[row.name] for row in plan.rows]
 
 
+def _import_reference_libraries() -> None:
+    """torch and the model classes the default rows' references build (a library missing here is the rows' own
+    error to report, when they run)."""
+    try:
+        import transformers.models.llama.modeling_llama  # noqa: F401
+        import transformers.models.mixtral.modeling_mixtral  # noqa: F401
+
+        from zerofix.check import reference  # noqa: F401 - torch
+    except Exception:  # noqa: BLE001, S110 - only a head start
+        pass
+
+
 def _read(job_plan, batch) -> tuple[dict, str | None]:
     """(measured rows, None), or ({}, why nothing could be measured)."""
+    import sys
+
     from zerofix.check import launch
+
+    if "torch" in sys.modules:  # this thread's OpenMP team (zerofix.check.command: why one thread)
+        sys.modules["torch"].set_num_threads(1)
 
     try:
         return job_plan.results(batch), None

@@ -59,12 +59,13 @@ class Batch:
     read while other runs go on."""
 
     def __init__(self, root: Path, *, python: str = sys.executable, progress=None, together: bool = True,
-                 on_outcome=None):
+                 on_outcome=None, fork: bool = False):
         self.root = Path(root)
         self.python = python
         self.progress = progress
         self.together = together
         self.on_outcome = on_outcome
+        self.fork = fork  # the sessions' ranks forked after one import (launch.run_session), not torchrun's
         self._requests: dict[str, Request] = {}  # key -> request, in the order added
         self._outcomes: dict[str, launch.Outcome] = {}
         self._folders: dict[str, Path] = {}  # a folder a caller chose (``alone``)
@@ -126,7 +127,7 @@ class Batch:
                 # the modules zerofix patches only where a run uses a library (not for runs that train nothing)
                 launch.run_session(runs, nproc=nproc, session_dir=self.root / f"session-{nproc}", python=self.python,
                                    imports=imports, patched_modules=any(r.imports for r in group),
-                                   on_start=started, on_end=ended)
+                                   on_start=started, on_end=ended, fork=self.fork)
             finally:
                 first_run.set()
 

@@ -5,6 +5,9 @@ A launch costs an interpreter start per rank and the import of torch, DeepSpeed,
 session pays that once: its ranks make the process group once and run every run of the plan, each as
 ``module.run(argv)`` would run in a launch of its own (the scenario modules' ``main`` is ``run`` + ``finish``).
 
+Its ranks come from torchrun (the test suite's matrices) or, with ``--fork N`` (``zerofix check``), from this
+process itself: it imports once and forks the N ranks, with the variables torchrun gives them (``fork_ranks``).
+
 Between runs, ``reset()`` puts back what a run leaves behind in the process: zerofix's fixes and what they saw,
 accelerate's shared state, transformers' DeepSpeed config, the environment (the Trainer and accelerate write
 ``ACCELERATE_*`` variables into it), torch's grad mode, default dtype, thread count and random generators. Every
@@ -45,21 +48,30 @@ def main(argv=None) -> None:
     p.add_argument("--plan", required=True,
                    help="JSON file: {\"runs\": [{id, module, argv, env, accelerate, rank}], \"imports\": [...]}")
     p.add_argument("--dir", required=True, help="the session's folder (progress and error files)")
+    p.add_argument("--fork", type=int, metavar="N", help="start the N ranks by forking this process once it has "
+                   "imported the libraries (the variables torchrun gives its ranks set here), instead of being one "
+                   "rank of a torchrun launch")
     args = p.parse_args(argv)
     plan = json.loads(Path(args.plan).read_text())
-    rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:  # the process group's address, for the launcher to remove its DeepSpeed segments however it ends
-        (Path(args.dir) / "master.json").write_text(json.dumps({k: os.environ.get(k) for k in ("MASTER_ADDR",
-                                                                                              "MASTER_PORT")}))
+    imports = plan.get("imports", ()), plan.get("patched_modules", True)
+    if args.fork:
+        rank, imported_cpu = fork_ranks(args.fork, Path(args.dir), imports)  # returns in each rank only
+    else:
+        rank, imported_cpu = int(os.environ.get("RANK", "0")), 0.0
+        if rank == 0:
+            _write_master(Path(args.dir))
     progress = open(Path(args.dir) / f"progress.rank{rank}", "a", buffering=1)  # noqa: SIM115 - open to the end
-    prepare(plan.get("imports", ()), patched_modules=plan.get("patched_modules", True))
-    progress.write(f"ready - {time.time():.3f} {time.process_time():.3f}\n")
+    if not args.fork:
+        prepare(imports[0], patched_modules=imports[1])
+    # a forked rank's own CPU clock starts at the fork: the imports its launcher made for it come first
+    cpu_offset = imported_cpu
+    progress.write(f"ready - {time.time():.3f} {cpu_offset + time.process_time():.3f}\n")
     for index, run in enumerate(plan["runs"]):
         alone = run.get("rank") is not None  # one process: this rank's share, before the group exists
         if alone and run["rank"] != rank:
             continue
         print(f"[zerofix session] start {run['id']}", flush=True)
-        progress.write(f"start {index} {time.time():.3f} {time.process_time():.3f}\n")
+        progress.write(f"start {index} {time.time():.3f} {cpu_offset + time.process_time():.3f}\n")
         try:
             with one_process() if alone else _nothing():
                 os.environ.update(run.get("env", {}))
@@ -79,11 +91,89 @@ def main(argv=None) -> None:
             raise
         if not alone:
             barrier()
-        progress.write(f"done {index} {time.time():.3f} {time.process_time():.3f}\n")
+        progress.write(f"done {index} {time.time():.3f} {cpu_offset + time.process_time():.3f}\n")
     progress.close()
     from zerofix.check.scenarios import finish
 
     finish()
+
+
+def _write_master(folder: Path) -> None:
+    """The process group's address, for the launcher to remove its DeepSpeed segments however the session ends."""
+    (folder / "master.json").write_text(json.dumps({k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}))
+
+
+def torchrun_env(nproc: int) -> dict:
+    """What ``torchrun --standalone --nproc_per_node <nproc>`` (torch 2.x) sets for every one of its ranks, less
+    what only its agent reads (its error files, the signals it forwards); each rank adds RANK, LOCAL_RANK and
+    ROLE_RANK. Without the agent, rank 0 hosts the store (TORCHELASTIC_USE_AGENT_STORE False), as under
+    ``torch.distributed.launch``."""
+    import socket
+    import uuid
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    return {"MASTER_ADDR": "localhost", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
+            "ROLE_WORLD_SIZE": str(nproc), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": str(uuid.uuid4()), "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            **({} if "OMP_NUM_THREADS" in os.environ or nproc == 1 else {"OMP_NUM_THREADS": "1"})}
+
+
+def fork_ranks(nproc: int, folder: Path, imports) -> tuple[int, float]:
+    """Import once, then fork the session's ``nproc`` ranks: returns ``(rank, CPU seconds the imports took)`` in
+    each rank; this process itself waits for them and exits as torchrun's agent does (0, or 1 once a rank failed,
+    the others then stopped).
+
+    Why: every rank of a torchrun launch imports torch, DeepSpeed, transformers, accelerate and TRL itself (about
+    8 CPU seconds each on 2 cores), after the agent's own start (3 - 7 s before the first rank starts). A rank
+    forked after the imports starts with them done, from the same frozen objects (``freeze_once``), copy-on-write.
+    Forking is safe there: nothing has started a thread pool or CUDA yet (checked), as with a DataLoader's forked
+    workers."""
+    import signal
+
+    global _ENVIRON
+    os.environ.update(torchrun_env(nproc))
+    _write_master(folder)
+    prepare(imports[0], patched_modules=imports[1])
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        raise RuntimeError("the session's imports initialised CUDA: its ranks cannot be forked (run it under torchrun)")
+    imported_cpu = time.process_time()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children = {}
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
+            _ENVIRON = dict(os.environ)  # what reset() puts back: a torchrun rank's environment
+            return rank, imported_cpu
+        children[pid] = rank
+    code = 0
+    while children:
+        pid, status = os.wait()
+        children.pop(pid, None)
+        if os.waitstatus_to_exitcode(status) != 0 and code == 0:
+            code = 1  # as torchrun: the other ranks are stopped (they may be waiting in a collective for this one)
+            for other in children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(other, signal.SIGTERM)
+            deadline = time.time() + 5
+            while children and time.time() < deadline:
+                done, _ = os.waitpid(-1, os.WNOHANG)
+                if done:
+                    children.pop(done, None)
+                else:
+                    time.sleep(0.05)
+            for other in children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(other, signal.SIGKILL)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # not the ranks' exit handlers again: they ran in each rank
 
 
 # What `torchrun --nproc_per_node 1` sets for its rank (the launcher's own bookkeeping variables aside).

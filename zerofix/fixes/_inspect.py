@@ -46,9 +46,17 @@ def source(func) -> str:
     return _sources[code]
 
 
+_trees: dict = {}  # source text -> its parse, shared: every caller only reads it
+
+
 def source_tree(func) -> ast.AST:
-    """The parsed source of ``func`` (never run). OSError, TypeError or SyntaxError when it cannot be read."""
-    return ast.parse(textwrap.dedent(source(func)))
+    """The parsed source of ``func`` (never run), parsed once per source text (DeepSpeedZeroOptimizer.__init__'s
+    parse was the largest part of a ``patch()`` after the first). OSError, TypeError or SyntaxError when it cannot be
+    read."""
+    text = textwrap.dedent(source(func))
+    if text not in _trees:
+        _trees[text] = ast.parse(text)
+    return _trees[text]
 
 
 def self_attributes(func) -> set[str]:

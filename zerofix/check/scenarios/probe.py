@@ -39,7 +39,17 @@ def run(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world": world, "pid": os.getpid(),
                                                       "sum": float(total), "random": torch.rand(1).item(),
-                                                      "tag": args.tag}))
+                                                      "tag": args.tag, "launch_env": launch_env()}))
+
+
+def launch_env() -> dict:
+    """The variables a launcher sets for its ranks (torchrun's, ``zerofix.check.session.torchrun_env``'s)."""
+    return {k: v for k, v in os.environ.items() if k in LAUNCH_VARIABLES or k.startswith("TORCHELASTIC_")}
+
+
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "ROLE_RANK", "GROUP_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
+                    "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
 if __name__ == "__main__":
