@@ -53,18 +53,16 @@ def main(argv=None) -> None:
                    "rank of a torchrun launch")
     args = p.parse_args(argv)
     plan = json.loads(Path(args.plan).read_text())
-    imports = plan.get("imports", ()), plan.get("patched_modules", True)
+    imports, patched_modules = plan.get("imports", ()), plan.get("patched_modules", True)
+    # cpu_offset: a forked rank's own CPU clock starts at the fork, after the imports made for it
     if args.fork:
-        rank, imported_cpu = fork_ranks(args.fork, Path(args.dir), imports)  # returns in each rank only
+        rank, cpu_offset = fork_ranks(args.fork, Path(args.dir), imports, patched_modules)  # returns in each rank
     else:
-        rank, imported_cpu = int(os.environ.get("RANK", "0")), 0.0
+        rank, cpu_offset = int(os.environ.get("RANK", "0")), 0.0
         if rank == 0:
             _write_master(Path(args.dir))
+        prepare(imports, patched_modules=patched_modules)
     progress = open(Path(args.dir) / f"progress.rank{rank}", "a", buffering=1)  # noqa: SIM115 - open to the end
-    if not args.fork:
-        prepare(imports[0], patched_modules=imports[1])
-    # a forked rank's own CPU clock starts at the fork: the imports its launcher made for it come first
-    cpu_offset = imported_cpu
     progress.write(f"ready - {time.time():.3f} {cpu_offset + time.process_time():.3f}\n")
     for index, run in enumerate(plan["runs"]):
         alone = run.get("rank") is not None  # one process: this rank's share, before the group exists
@@ -108,13 +106,9 @@ def torchrun_env(nproc: int) -> dict:
     what only its agent reads (its error files, the signals it forwards); each rank adds RANK, LOCAL_RANK and
     ROLE_RANK. Without the agent, rank 0 hosts the store (TORCHELASTIC_USE_AGENT_STORE False), as under
     ``torch.distributed.launch``."""
-    import socket
     import uuid
 
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    return {"MASTER_ADDR": "localhost", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
+    return {"MASTER_ADDR": "localhost", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
             "ROLE_WORLD_SIZE": str(nproc), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
             "TORCHELASTIC_RUN_ID": str(uuid.uuid4()), "TORCHELASTIC_USE_AGENT_STORE": "False",
@@ -122,7 +116,7 @@ def torchrun_env(nproc: int) -> dict:
             **({} if "OMP_NUM_THREADS" in os.environ or nproc == 1 else {"OMP_NUM_THREADS": "1"})}
 
 
-def fork_ranks(nproc: int, folder: Path, imports) -> tuple[int, float]:
+def fork_ranks(nproc: int, folder: Path, imports, patched_modules: bool) -> tuple[int, float]:
     """Import once, then fork the session's ``nproc`` ranks: returns ``(rank, CPU seconds the imports took)`` in
     each rank; this process itself waits for them and exits as torchrun's agent does (0, or 1 once a rank failed,
     the others then stopped).
@@ -137,7 +131,7 @@ def fork_ranks(nproc: int, folder: Path, imports) -> tuple[int, float]:
     global _ENVIRON
     os.environ.update(torchrun_env(nproc))
     _write_master(folder)
-    prepare(imports[0], patched_modules=imports[1])
+    prepare(imports, patched_modules=patched_modules)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         raise RuntimeError("the session's imports initialised CUDA: its ranks cannot be forked (run it under torchrun)")
@@ -188,14 +182,10 @@ def one_process():
     of it can reach the session's own group). accelerate makes a gloo group of one there (as under a one-rank
     launch); it is destroyed after the run. DeepSpeed's communication state is not undone: a run that starts it
     needs a session of its own (``runner.Request(needs_group=True)``), and fails here if it was not given one."""
-    import socket
-
     import torch.distributed as dist
 
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    os.environ.update(ONE_PROCESS, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False")
+    os.environ.update(ONE_PROCESS, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                      TORCHELASTIC_USE_AGENT_STORE="False")
     yield
     comm = sys.modules.get("deepspeed.comm.comm")
     if comm is not None and getattr(comm, "cdb", None) is not None:
@@ -205,6 +195,14 @@ def one_process():
         if dist.get_world_size() != 1:
             raise RuntimeError(f"a run of one process made a group of {dist.get_world_size()}")
         dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        return free.getsockname()[1]
 
 
 @contextlib.contextmanager
