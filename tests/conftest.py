@@ -8,7 +8,7 @@ runs on the wrong libraries).
 Distributed tests declare what they launch with ``@uses(builder)`` (the ``ranks`` mark): ``builder`` takes any of the
 test's parameters and ``stack`` by name and returns ``zerofix.check.runner.Request``s. After selection, the
 requests of every test that will run go into one batch (``zerofix.check.runner.Batch``: one session of ranks
-per rank count, the libraries imported once), which the ``ranks`` fixture runs the first time a test asks for
+per rank count, the libraries imported once and the ranks forked from there), which the ``ranks`` fixture runs the first time a test asks for
 it; each test then reads its own results (``ranks.result(request)``; building the same request again finds it).
 A run that hangs or crashes fails only the tests that read it.
 """
@@ -136,7 +136,10 @@ def ranks(request, tmp_path_factory):
     """The batch of the session's distributed runs, every declared request run (at the first use)."""
     from zerofix.check import runner
 
-    batch = runner.Batch(tmp_path_factory.mktemp("ranks"))
+    # The ranks forked after one import (zerofix.check.session.fork_ranks), as zerofix check starts them: a launch then
+    # costs one import instead of torchrun's agent and one per rank (tests/test_session.py holds the records of both
+    # launchers bitwise equal; the tests of activation through a launcher still start torchrun themselves).
+    batch = runner.Batch(tmp_path_factory.mktemp("ranks"), fork=True)
     batch.add(*getattr(request.config, "_zerofix_requests", ()))
     request.config._zerofix_batch = batch
     batch.run()

@@ -52,6 +52,7 @@ def test_the_plain_loss_counts_what_the_h100_measured():
         assert round(got["peak_mib"]) == gpu["plain"], (n, v, got)
 
 
+@pytest.mark.slow  # every variant at the three GPU sizes: 40 s of Python bookkeeping, the full tier's
 def test_the_chunked_loss_keeps_at_most_liger_kernels_bytes_at_every_gpu_size():
     fns = bench_ce_bytes.variants()
     fns.pop("_torch")

@@ -3,6 +3,7 @@ contract of ``zerofix.fixes.contract``. Pure reading (ast): no ML library is imp
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 
 import pytest
@@ -25,6 +26,7 @@ def module_name(path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.lru_cache(maxsize=1)  # read once per session: the package does not change while the tests run
 def modules() -> dict[str, set[str]]:
     """Every zerofix module -> the zerofix modules it imports, at module level or inside a function (a lazy
     import is a dependency too). ``from zerofix import x`` names the submodule x when there is one."""

@@ -25,6 +25,8 @@ import sys
 import tempfile
 import traceback
 
+from zerofix.check.files import append_whole, write_whole
+
 SEQ = 32
 VOCAB = 64
 # counted labels per sample (a prompt masked before them, padding after): uneven, and sample 2's first half empty
@@ -132,8 +134,8 @@ def main(argv=None) -> int:
                 result = train_once(argparse.Namespace(**cell), variant)
             except Exception as exc:  # noqa: BLE001 - upstream's crash is a measured outcome (4 gloo ranks)
                 # a peer may be waiting in a collective this rank never joins: say why and leave at once
-                with open(os.path.join(args.out, f"rank{dist.get_rank()}.error"), "w") as f:
-                    f.write(json.dumps({**cell, "variant": variant, "error": f"{type(exc).__name__}: {exc}",
+                write_whole(os.path.join(args.out, f"rank{dist.get_rank()}.error"),
+                            json.dumps({**cell, "variant": variant, "error": f"{type(exc).__name__}: {exc}",
                                         "trace": traceback.format_exc(limit=-8)}) + "\n")
                 sys.stderr.flush()
                 os._exit(3)
@@ -143,8 +145,7 @@ def main(argv=None) -> int:
             if dist.get_rank() == 0:
                 line = json.dumps({**cell, **result})
                 print("ZEROFIX_SP " + line, flush=True)
-                with open(os.path.join(args.out, "result.jsonl"), "a") as f:
-                    f.write(line + "\n")
+                append_whole(os.path.join(args.out, "result.jsonl"), line)
             dist.barrier()
     return 0
 
@@ -186,7 +187,7 @@ def run(argv=None) -> None:
                 record["results"].append({**cell, "variant": variant, **result})
             dist.barrier()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(record))
+    write_whole(Path(args.out) / f"rank{rank}.json", json.dumps(record))
 
 
 def train_once(args, variant):

@@ -84,7 +84,9 @@ def main(argv=None) -> None:
         except BaseException:
             # Which run failed, for the launcher (several one-process runs may be under way on different ranks);
             # then the session ends: the ranks of a failed run cannot be trusted with the next run's collectives.
-            (Path(args.dir) / f"error.rank{rank}").write_text(json.dumps(
+            from zerofix.check.files import write_whole
+
+            write_whole(Path(args.dir) / f"error.rank{rank}", json.dumps(
                 {"index": index, "traceback": traceback.format_exc()[-8000:]}))
             raise
         if not alone:

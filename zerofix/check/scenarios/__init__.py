@@ -12,6 +12,7 @@ def run_and_record(args, train) -> None:
     from pathlib import Path
 
     import zerofix
+    from zerofix.check.files import write_whole
 
     if args.zerofix:
         zerofix.patch()
@@ -25,7 +26,7 @@ def run_and_record(args, train) -> None:
         record["error"] = f"{type(exc).__name__}: {exc}"
         record["traceback"] = traceback.format_exc()[-4000:]
     record["status"] = {r.id: r.state for r in zerofix.status()}
-    (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+    write_whole(out / f"rank{rank}.json", json.dumps(record, indent=1))
 
 
 def entry(run) -> None:

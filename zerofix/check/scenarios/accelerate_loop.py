@@ -14,6 +14,7 @@ import json
 import os
 from pathlib import Path
 
+from zerofix.check.files import write_whole
 from zerofix.check.scenarios.trainer_gas import final_weights, steps_without_grad_mode, user_config
 from zerofix.check.session import collect_and_freeze, freeze_once
 
@@ -97,7 +98,7 @@ def train(args, cell: dict, variant: str, out: Path, world: int, rank: int) -> N
     record = {"rank": rank, "world": world, "variant": variant, "cell_dir": out.name, "windows": windows,
               "distributed_type": str(accelerator.distributed_type),
               "left_over": current, "status": [r.to_dict() for r in zerofix.status()]}
-    (vdir / f"rank{rank}.json").write_text(json.dumps(record))
+    write_whole(vdir / f"rank{rank}.json", json.dumps(record))
     accelerator.free_memory()
 
 

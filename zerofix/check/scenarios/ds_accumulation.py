@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from zerofix.check.files import write_whole
 from zerofix.check import accumulation, collectives, models, reference
 from zerofix.check.session import collect_and_freeze, freeze_once
 
@@ -352,7 +353,7 @@ def run(argv=None) -> None:
             dist.barrier()
             if rank == 0 and checkpoint_dir.exists():
                 shutil.rmtree(checkpoint_dir)
-    (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+    write_whole(out / f"rank{rank}.json", json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import os
 import time
 from pathlib import Path
 
+from zerofix.check.files import write_whole
+
 
 def run(argv=None) -> None:
     p = argparse.ArgumentParser()
@@ -37,7 +39,7 @@ def run(argv=None) -> None:
         dist.all_reduce(total)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world": world, "pid": os.getpid(),
+    write_whole(out / f"rank{rank}.json", json.dumps({"rank": rank, "world": world, "pid": os.getpid(),
                                                       "sum": float(total), "random": torch.rand(1).item(),
                                                       "tag": args.tag, "launch_env": launch_env()}))
 

@@ -15,6 +15,7 @@ import json
 import os
 from pathlib import Path
 
+from zerofix.check.files import write_whole
 from zerofix.check.session import collect_and_freeze, freeze_once
 
 
@@ -479,7 +480,7 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         "kept_types": {k: type(v).__name__ for k, v in getattr(trainer, "zerofix_kept", {}).items()},
         "zerofix_warnings": said,
     }
-    (vdir / f"rank{rank}.json").write_text(json.dumps(record))
+    write_whole(vdir / f"rank{rank}.json", json.dumps(record))
 
 
 @contextlib.contextmanager

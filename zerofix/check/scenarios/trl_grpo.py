@@ -23,6 +23,7 @@ import os
 import traceback
 from pathlib import Path
 
+from zerofix.check.files import write_whole
 from zerofix.check.scenarios.trl_sft import VOCAB, ensure, make_model_dir  # the same tiny Llama
 
 PER_DEVICE, NUM_GENERATIONS, MAX_COMPLETION, PROMPT_WORDS = 2, 4, 6, 4
@@ -85,7 +86,7 @@ def run(argv=None) -> None:
     import zerofix
 
     record["status"] = {r.id: r.state for r in zerofix.status()}
-    (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+    write_whole(out / f"rank{rank}.json", json.dumps(record, indent=1))
 
 
 def _scaling_details():

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerofix.check.files import write_whole
 from zerofix.check.session import collect_and_freeze
 
 VOCAB, HIDDEN, BATCH, SEQ, STEPS, LR = 40, 16, 2, 12, 2, 5.0
@@ -247,7 +248,7 @@ def run(argv=None) -> None:
         record["cells"][cell["name"]] = result
         collect_and_freeze()  # see ds_accumulation: the next cell's collections skip what this one left
         dist.barrier()
-    (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+    write_whole(out / f"rank{rank}.json", json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":
