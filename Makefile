@@ -51,6 +51,11 @@ $(TORCH_WHEELS)/.fetched:
 	# torchaudio's wheels on the registry are CUDA builds (none for torch 2.13): its native libraries cannot load
 	# beside the CPU torch, and without them its Python part imports (LLaMA-Factory imports it at start-up)
 	rm -f .venvs/$*/lib/python*/site-packages/torchaudio/lib/*.so
+	# torchvision's wheel (the llamafactory stack's vision-language rows: Qwen2-VL's processor) is a CUDA build too: its
+	# operators cannot load beside the CPU torch, and its Python part imports once its two unconditional fake-kernel
+	# registrations (torchvision::nms, ::qnms, whose operators only its native library defines) are guarded
+	for f in .venvs/$*/lib/python*/site-packages/torchvision/_meta_registrations.py; do [ ! -f "$$f" ] || sed -i \
+		's/^@torch.library.register_fake("torchvision::\(q\?nms\)")$$/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda fn: fn))/' "$$f"; done
 	touch $@
 
 venv: $(call venv,$(STACK))

@@ -361,6 +361,15 @@ def test_trainer_report_lines():
     assert len(trainer_report.engine_lines(records, seen)) == 1 and trainer_report.engine_lines(records, seen) == []
     assert "short-window" in trainer_report.warning_lines(records, set())[0]
     assert "changes nothing" in trainer_report.summary_lines(records[1:])[0]
+    # issue 69: a fix that failed (a --no-deps install without wrapt) is said as failed, never as out of range
+    failed = Record("c-fix", "failed", "transformers", "5.6.0", "", "ModuleNotFoundError: No module named 'wrapt'")
+    said = trainer_report.summary_lines([records[1], failed])
+    assert len(said) == 1 and "no fix applies to the installed releases" not in said[0], said
+    assert said[0] == ("zerofix is active, but no fix is applied, so it changes nothing in this run; 1 fix(es) in range "
+                       "could not be applied: c-fix failed (ModuleNotFoundError: No module named 'wrapt')"), said
+    said = trainer_report.summary_lines([scaling, failed], deepspeed=False)
+    assert said[-1].startswith("zerofix: not applied in this process; 1 fix(es) in range could not be applied: c-fix "
+                               "failed"), said
 
 
 def test_patch_registers_the_callback_and_unpatch_removes_it():
@@ -769,3 +778,27 @@ def test_the_doctor_takes_a_model_without_a_deepspeed_config(tmp_path):
     for row in document["scenarios"]:
         assert row["unpatched"]["rel_err"] > 0.05 and row["patched"]["rel_err"] < 1e-5, row
     assert document["configuration"]["model"]["class"] == "Qwen3VLForConditionalGeneration"
+
+
+@pytest.mark.slow  # a fresh interpreter importing transformers' Trainer
+def test_an_install_without_wrapt_says_its_fixes_failed_not_that_none_is_in_range():
+    """Issue 69, item 5: a ``--no-deps`` install leaves ``wrapt`` out; every fix in range then fails to apply, and the
+    Trainer log's first line says so (it said "no fix applies to the installed releases", which was untrue)."""
+    pytest.importorskip("transformers")
+    from conftest import run_python
+
+    proc = run_python("""
+        import sys
+        sys.modules["wrapt"] = None  # as absent as a --no-deps install leaves it
+        import zerofix
+        zerofix.patch()
+        import transformers.trainer  # the Trainer's entries apply (and fail) here
+        from zerofix import trainer_report
+        records = zerofix.status()
+        print("STATES", sorted({r.state for r in records if r.dist == "transformers"}))
+        print("LINE", trainer_report.summary_lines(records, deepspeed=False)[0])
+    """, env={"TRANSFORMERS_VERBOSITY": "error"})
+    out = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.startswith(("STATES", "LINE")))
+    assert "'failed'" in out["STATES"] and "'applied'" not in out["STATES"], out
+    assert out["LINE"].startswith("zerofix is active, but no fix is applied, so it changes nothing in this run; "), out
+    assert "failed (ModuleNotFoundError" in out["LINE"] and "no fix applies to the installed releases" not in out["LINE"]

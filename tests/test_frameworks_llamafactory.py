@@ -55,3 +55,25 @@ def test_llamafactory_sft_dpo_and_zero3_are_right_with_zerofix_and_asft_is_close
 
     for row in ("sft", "dpo", "asft"):  # docs/frameworks.md's generated table (llamafactory_suite.py --write-docs)
         assert tool.doc_rows().get(row) == tool.table_row(results[row]), (tool.doc_rows().get(row), results[row])
+
+
+def test_llamafactory_vision_language_sft_trains_the_token_mean_with_zerofix(tmp_path, capsys):
+    """Issue 67: with a processor, LLaMA-Factory's SFT trainer sets ``model_accepts_loss_kwargs = False`` (#7448), so a
+    Qwen2-VL run with images averages micro-batch means upstream, full and LoRA. ``llamafactory-processor-withheld-count``
+    records that the framework's code set it, and the Trainer entry hands the count and checks it at every step: the
+    big batch's update with ``ZEROFIX=1`` alone, said once in LLaMA-Factory's console as the entry's line."""
+    tool = conftest_tool("frameworks/llamafactory_suite").FRAMEWORK
+    assert tool.main([str(tmp_path), "vlm", "vlm-lora", "--jobs", "2"]) == 0
+    print(capsys.readouterr().out)
+    results = {r["row"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
+    for row in ("vlm", "vlm-lora"):
+        plain, fixed = results[row]["plain"], results[row]["zerofix"]
+        assert "error" not in plain and "error" not in fixed, (row, plain, fixed)
+        assert plain["rel"] > 0.1 and plain["cosine"] < 0.99, (row, plain)  # upstream: a mean of micro-batch means
+        assert fixed["rel"] < RIGHT and fixed["ratio"] == pytest.approx(1.0, abs=1e-4), (row, fixed)  # the big batch
+        said = [line for line in results[row]["zerofix_lines"]
+                if "llamafactory-processor-withheld-count acts on this run (llamafactory 0.9.5)" in line]
+        assert len({line[line.index("zerofix: "):] for line in said}) == 1, results[row]["zerofix_lines"]
+        assert "CustomSeq2SeqTrainer.__init__ set model_accepts_loss_kwargs = False; zerofix has the Trainer hand the " \
+               "model num_items_in_batch, and its loss was divided by it in 4 of 4 backwards" in said[0], said
+        assert tool.doc_rows().get(row) == tool.table_row(results[row]), (tool.doc_rows().get(row), results[row])

@@ -114,7 +114,7 @@ args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_s
                          dataloader_drop_last=True, **({"ddp_backend": "gloo"} if WORLD > 1 else {}))
 collate = lambda rows: {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 reference = None
-if KIND == "withheld":  # the window's token mean, by hand: the model's own loss over all 8 samples in one batch
+if KIND.startswith(("withheld", "framework")):  # the window's token mean, by hand: the model's own loss over all 8 samples
     import copy
 
     ref = copy.deepcopy(model)
@@ -130,6 +130,37 @@ if KIND == "withheld":  # axolotl 0.19's shape: the model's own loss, the count 
         _get_train_sampler = NllTrainer._get_train_sampler
 
     WithheldTrainer(model=model, args=args, train_dataset=samples, data_collator=collate).train()
+elif KIND.startswith("framework"):  # the same trainer as a framework's own code (a package of its own), its __init__
+    # wrapped by the framework entry's wrapper as the catalogue wraps axolotl's; "framework-around": a subclass of the
+    # script's own whose __init__ runs around the framework's
+    import importlib, pathlib, wrapt
+    from zerofix.fixes import framework_withheld_count
+
+    where = pathlib.Path(tempfile.mkdtemp())
+    (where / "fakefw").mkdir()
+    (where / "fakefw" / "__init__.py").write_text("")
+    (where / "fakefw" / "trainer.py").write_text(
+        "from transformers import Trainer\n"
+        "class FrameworkTrainer(Trainer):\n"
+        "    def __init__(self, *a, **kw):\n"
+        "        super().__init__(*a, **kw)\n"
+        "        self.model_accepts_loss_kwargs = False\n"
+        "    def _get_train_sampler(self, *args, **kwargs):\n"
+        "        from torch.utils.data import SequentialSampler\n"
+        "        return SequentialSampler(self.train_dataset)\n")
+    sys.path.insert(0, str(where))
+    from fakefw.trainer import FrameworkTrainer
+    FrameworkTrainer.__init__ = wrapt.FunctionWrapper(vars(FrameworkTrainer)["__init__"],
+                                                      framework_withheld_count.axolotl_init)
+    chosen = FrameworkTrainer
+    if KIND == "framework-around":
+        class UserTrainer(FrameworkTrainer):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, **kw)
+                self.model_accepts_loss_kwargs = False  # the user's own word, the same value
+
+        chosen = UserTrainer
+    chosen(model=model, args=args, train_dataset=samples, data_collator=collate).train()
 else:
     NllTrainer(model=model, args=args, train_dataset=samples, data_collator=collate).train()
 from zerofix.fixes import trainer_scaling
@@ -233,6 +264,37 @@ def test_a_count_the_trainers_own_flag_withholds_is_followed_and_said_with_the_f
                "path gave 0.25x that)" in said[0], said
     else:  # latest: the Trainer's own division, the mean of the micro-batch means, unchanged
         assert "that mean of means stays as upstream computes it" in said[0], said
+
+
+@pytest.mark.slow
+@pytest.mark.stack("latest")  # the rule and its wrapper depend on no release (the frameworks' own: their stacks' CLIs)
+def test_a_flag_a_frameworks_own_init_sets_is_its_known_bug_and_the_count_is_handed():
+    """Issue 67: a flag the framework's own ``__init__`` sets (recorded by the framework entry's wrapper, as on axolotl
+    0.17.0 - 0.19.x) is the framework's known bug, not the user's word: without ``ZEROFIX_HAND_COUNT_TO_MODEL`` the count
+    is handed and the update is the window's token mean, said at INFO naming the framework's code and the entry. A
+    subclass of the user's own whose ``__init__`` runs around the framework's may set the flag itself: followed (the mean
+    of means), and the WARNING names both."""
+    result = run("framework", extra_env={"ZEROFIX_LOG": "info"})
+    assert result["rel"] < 1e-5, result["rel"]
+    details = result["details"][-1]
+    assert details["count_handed"] == "LlamaForCausalLM" and details["steps_handed"] == 4, details
+    assert details["framework_flag"] == "axolotl-withheld-count", details
+    assert not [m for level, m in result["records"] if level == "WARNING"], result["records"]
+    said = [m for level, m in result["records"] if level == "INFO" and "a known bug of axolotl" in m]
+    assert len(said) == 1 and said[0].startswith("zerofix: FrameworkTrainer.__init__ (axolotl "), said
+    assert "set model_accepts_loss_kwargs = False for LlamaForCausalLM, a known bug of axolotl >=0.17.0,<0.20.0 " \
+           "(axolotl-withheld-count, fixed in 0.20.0: https://github.com/axolotl-ai-cloud/axolotl/pull/3982), not " \
+           "your word" in said[0], said
+
+    around = run("framework-around")
+    assert around["rel"] > 0.5, around["rel"]  # followed: the mean of micro-batch means, as upstream
+    assert "count_handed" not in around["details"][-1], around["details"]
+    said = [m for level, m in around["records"] if level == "WARNING" and "averages a term over its own" in m]
+    assert len(said) == 1, around["records"]
+    assert "FrameworkTrainer.__init__ (axolotl " in said[0] and "set model_accepts_loss_kwargs = False (a known bug " \
+           "of its releases: axolotl-withheld-count) and UserTrainer.__init__ runs around it, so the setting may also " \
+           "be yours" in said[0], said
+    assert "say so with ZEROFIX_HAND_COUNT_TO_MODEL=1" in said[0], said
 
 
 @pytest.mark.slow

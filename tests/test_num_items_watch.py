@@ -213,10 +213,13 @@ def test_what_only_looks_like_an_identity_stays_unknown(batch, how):
 
 @pytest.mark.parametrize("how, factor", [("times-steps", 4), ("count-over-steps", 4), ("times-half-of-two", 1),
                                          ("times-quarter", Fraction(1, 4)), ("unequal-terms", None),
-                                         ("tensor-factor", 1)])
+                                         ("tensor-factor", Fraction(1, 4)), ("times-tensor-steps", 4),
+                                         ("times-a-trained-weight", 1), ("times-a-vector", 1)])
 def test_a_divided_loss_carries_its_python_factor(batch, how, factor):
     """Issue 51, item 3: ``s / n * GAS`` and ``s / (n / GAS)`` (5.3 hand fixes) carry the factor GAS: the Python
-    numbers applied once the count is part of the value."""
+    numbers applied once the count is part of the value. Issue 69, item 2: a one-element tensor without a gradient is
+    read as the number it holds (``s / n * torch.tensor(4.0)`` carries 4, as ``* 4`` does); a trained weight or a
+    tensor of several elements is part of what is independent of the count."""
     logits, labels = batch
     s = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
 
@@ -224,8 +227,10 @@ def test_a_divided_loss_carries_its_python_factor(batch, how, factor):
         return {"times-steps": lambda: s / n * 4, "count-over-steps": lambda: s / (n / 4),
                 "times-half-of-two": lambda: s / (2 * n) * 2, "times-quarter": lambda: s / n * 0.25,
                 "unequal-terms": lambda: s / n * 4 + s / n,
-                # a tensor's value is part of what is independent of the count, as a factor applied before it joins
-                "tensor-factor": lambda: s / (n * torch.tensor(4.0))}[how]()
+                "tensor-factor": lambda: s / (n * torch.tensor(4.0)),
+                "times-tensor-steps": lambda: (s / n) * torch.tensor(4.0),
+                "times-a-trained-weight": lambda: s / n * torch.tensor(4.0, requires_grad=True),
+                "times-a-vector": lambda: (s / n * torch.full((2,), 4.0)).sum()}[how]()
     v, _ = verdict(loss_of)
     assert v.state == DIVIDED and v.factor == factor, v
 
@@ -365,3 +370,32 @@ def test_a_value_computed_from_the_count_in_a_compiled_region_is_unknown_and_no_
                                            n.float()))
         assert v.state == UNKNOWN and "torch.compile" in v.route, v
         assert loss.isfinite()
+
+
+@pytest.mark.parametrize("how, state", [("logged-loss", DIVIDED), ("logged-then-scaled", DIVIDED),
+                                        ("logged-another-division", UNKNOWN), ("count-as-number", UNKNOWN)])
+def test_a_loss_logged_as_a_number_is_still_divided(batch, how, state):
+    """Issue 69: a ``compute_loss`` that logs ``float(loss)`` takes the loss's own value out of torch, after the
+    division: nothing read out of it can have entered the loss (also through the Trainer's later ``loss / gas``). A
+    value divided by the count that is not the loss, read out (it could be multiplied back in), and the count itself read
+    out stay unknown."""
+    logits, labels = batch
+    s = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+    logged = []
+
+    def loss_of(n):
+        if how == "logged-loss":
+            loss = s / n
+            logged.append(float(loss))
+            return loss
+        if how == "logged-then-scaled":
+            loss = s / n
+            logged.append(loss.item())
+            return loss / 4
+        if how == "logged-another-division":
+            logged.append(float(s.detach() / n))
+            return s / n
+        return s / float(n)
+
+    v, _ = verdict(loss_of)
+    assert v.state == state, v

@@ -331,3 +331,157 @@ def test_a_hook_on_the_model_that_reads_its_logits_makes_the_switch_stand_aside(
     assert len(read) == 2 and all(shape[-1] == model.config.vocab_size for shape in read)  # the logits, no crash
     assert len([r for r in caplog.records if "stands aside" in r.getMessage()]) == 1, caplog.text
     assert "forward hooks on LlamaForCausalLM" in caplog.text
+
+
+# Issue 69, item 1: the proof replays all of the step's randomness (torch's, Python's and NumPy's) and keeps out of the
+# user's hooks' way: a model drawing from Python's random or NumPy trains as without the switch; a process-wide hook and a
+# backward hook on the head make it stand aside; a hook inside the backbone sees only the step's forwards.
+
+class LayerDropLlama(transformers.LlamaForCausalLM):
+    """Stochastic depth written by hand: in training each decoder layer is skipped with probability 1/2, drawn from
+    ``DRAW`` (Python's ``random``, NumPy's global generator, or the operating system's, which nothing can replay)."""
+
+    DRAW = None
+
+    def __init__(self, config):
+        super().__init__(config)
+        draw = type(self).DRAW
+        for i, layer in enumerate(self.model.layers):
+            self.model.layers[i] = _Skippable(layer, draw)
+
+
+class _Skippable(torch.nn.Module):
+    def __init__(self, layer, draw):
+        super().__init__()
+        self.layer, self.draw = layer, draw
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.training and self.draw() < 0.5:
+            return hidden_states
+        return self.layer(hidden_states, *args, **kwargs)
+
+
+def layer_drop(draw):
+    import random
+
+    import numpy
+
+    kind = type("Drop", (LayerDropLlama,), {"DRAW": staticmethod({"python": random.random,
+                                                                  "numpy": numpy.random.random,
+                                                                  "system": random.SystemRandom().random}[draw])})
+    config = models._llama_config()
+    config.num_hidden_layers = 4
+    return kind(config)
+
+
+def seeded_everywhere(trainer, model, inputs, routed: bool):
+    import random
+
+    import numpy
+
+    random.seed(99)
+    numpy.random.seed(99)
+    return seeded_loss_and_grads(trainer, model, inputs, routed)
+
+
+@pytest.mark.parametrize("draw", ["python", "numpy"])
+def test_a_model_drawing_from_pythons_or_numpys_random_trains_as_without_the_switch(draw):
+    model = layer_drop(draw)
+    trainer = trainer_for(model)
+    inputs = batch()
+    own, own_grads = seeded_everywhere(trainer, model, inputs, routed=False)
+    fix.reset_runtime()
+    fix._routes.pop(model, None)
+    routed, grads = seeded_everywhere(trainer, model, inputs, routed=True)
+    details = fix.runtime_details()
+    assert details[0]["routed"], details  # the proof's two forwards drew the same layers: proven
+    assert torch.allclose(routed, own, rtol=1e-6, atol=0), (routed, own)  # the step drew what it draws without it
+    for name, grad in own_grads.items():
+        assert torch.allclose(grads[name], grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_a_model_drawing_from_elsewhere_keeps_its_own_loss_and_says_why():
+    model = layer_drop("system")
+    trainer = trainer_for(model)
+    fix.reset_runtime()
+    seeded_everywhere(trainer, model, batch(), routed=True)
+    details = fix.runtime_details()
+    assert not details[0]["routed"] and "does not repeat itself from one random state" in details[0]["why"], details
+
+
+def routed_call(trainer, model, inputs):
+    model.train()
+    original = lambda *a, **k: transformers.Trainer.compute_loss(trainer, *a, **k)  # noqa: E731
+    return fix.compute_loss(original, trainer, (model, dict(inputs)), {})
+
+
+def test_a_process_wide_hook_makes_the_switch_stand_aside_without_a_crash(caplog):
+    import logging
+
+    from torch.nn.modules.module import register_module_forward_hook
+
+    model = models.build_model("causal-lm")
+    trainer = trainer_for(model)
+    read = []
+    handle = register_module_forward_hook(
+        lambda module, args, out: read.append(out.logits.shape) if hasattr(out, "logits") else None)
+    try:
+        fix.reset_runtime()
+        with caplog.at_level(logging.WARNING, logger="zerofix"):
+            for _ in range(2):
+                routed_call(trainer, model, batch()).backward()
+    finally:
+        handle.remove()
+    assert len(read) == 2 and all(shape[-1] == model.config.vocab_size for shape in read)  # what it reads without it
+    said = [r.getMessage() for r in caplog.records if "stands aside" in r.getMessage()]
+    assert len(said) == 1 and "process-wide module hooks" in said[0], caplog.text
+
+
+def test_a_backward_hook_on_the_head_fires_as_often_as_without_the_switch(caplog):
+    import logging
+
+    fired = {}
+    for switched in (False, True):
+        model = models.build_model("causal-lm")
+        trainer = trainer_for(model)
+        calls = fired[switched] = []
+        model.lm_head.register_full_backward_hook(lambda module, gin, gout: calls.append(gout[0].shape))
+        fix.reset_runtime()
+        with caplog.at_level(logging.WARNING, logger="zerofix"):
+            for _ in range(3):
+                loss = routed_call(trainer, model, batch()) if switched else \
+                    transformers.Trainer.compute_loss(trainer, model.train(), dict(batch()))
+                loss.backward()
+    assert len(fired[True]) == len(fired[False]) == 3, fired
+    assert "hooks on the output head" in caplog.text
+
+
+def test_a_hook_inside_the_backbone_sees_only_the_steps_forwards():
+    calls = {}
+    for switched in (False, True):
+        model = models.build_model("causal-lm")
+        trainer = trainer_for(model)
+        seen = calls[switched] = []
+        model.model.norm.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+        fix.reset_runtime()
+        fix._routes.pop(model, None)
+        for _ in range(4):
+            loss = routed_call(trainer, model, batch()) if switched else \
+                transformers.Trainer.compute_loss(trainer, model.train(), dict(batch()))
+            loss.backward()
+        if switched:
+            assert fix.runtime_details()[0]["routed"], fix.runtime_details()  # the route ran the backbone 4 times
+    assert len(calls[True]) == len(calls[False]) == 4, {k: len(v) for k, v in calls.items()}
+
+
+def test_a_model_that_runs_its_decoder_directly_is_proven_from_its_heads_input():
+    """OPT's forward calls ``model.decoder`` itself, so the backbone's own forward (``model``) never runs there: the proof
+    reads the head's input instead (issue 69: it was kept with "runs its backbone on other inputs")."""
+    config = transformers.OPTConfig(vocab_size=models.VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                                    num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
+                                    dropout=0.0, attention_dropout=0.0, layerdrop=0.0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.OPTForCausalLM(config)
+    own, own_grads, routed, grads, details = with_and_without_the_switch(model, batch())
+    assert details[0]["routed"], details
+    assert torch.allclose(routed, own, rtol=1e-6), (routed, own)

@@ -21,7 +21,7 @@ from zerofix.check import parity
 
 pytestmark = pytest.mark.distributed
 STACKS = ("latest", "2026-04")
-HELD = ("func-steps-divided-mean", "func-weighted-sum", "four-term-mean")
+HELD = ("func-steps-divided-mean", "func-weighted-sum", "func-tensor-weighted-sum", "four-term-mean")
 DOUBLE = ("func-steps-divided-sum", "count-and-steps-divided")
 TWO_RANKS = ("func-steps-divided-mean", "func-weighted-sum")
 
@@ -42,7 +42,7 @@ def unpatched_factor(stack: str, name: str, nproc: int) -> float:
         return head_factor(stack, None, nproc, {"model": "causal-lm", "loss": "func-mean"}) / 4
     if name == "four-term-mean":  # a compute_loss override's mean (no base compute_loss), / 4 by its own average
         return head_factor(stack, None, nproc, {"model": "causal-lm", "loss": "subclass-mean"})
-    if name == "func-weighted-sum":
+    if name in ("func-weighted-sum", "func-tensor-weighted-sum"):
         return normalised * 4
     return normalised / 4  # the two double divisions
 

@@ -181,3 +181,26 @@ def test_a_window_of_one_micro_batch_trains_as_upstream_bitwise(tmp_path):
     upstream, patched = (torch.load(tmp_path / f"{v}.pt") for v in ("unpatched", "patched"))
     for kind, weights in upstream.items():
         assert all(torch.equal(weights[k], patched[kind][k]) for k in weights), kind
+
+
+@pytest.mark.stack("2026-04", "2025-10")
+def test_a_head_whose_forward_drops_the_count_reaches_the_token_mean_by_behaviour(stack, tmp_path):
+    """Issue 69, item 3: VipLlava's forward (transformers 4.57 - 5.x) calls ``self.loss_function`` without the count
+    the Trainer hands it, while its class does not say ``accepts_loss_kwargs = False``: each micro-batch takes its own
+    token mean upstream (on 5.3 four times that: the Trainer believes the loss per window). zerofix sees at the first
+    step that the loss function was called without the count the forward got, hands it, and keeps it where the step's
+    loss is divided by it: the window's token mean, with images, on 1 process and 2 DDP ranks."""
+    for nproc in (1, 2):
+        cells = [{"name": "vipllava-image", "model": "vipllava-image", "gas": 4, "lr": 5.0}]
+        result = runner.alone(parity.trainer_request(cells, nproc=nproc, name=f"vipllava-{nproc}"),
+                              tmp_path / f"vipllava-{nproc}")["vipllava-image"]
+        bug, fixed = result["unpatched"], result["patched"]
+        runtime = fixed["rank_runtime"][0][ENTRY][-1]
+        warned = [w for w in fixed["warnings"][0] if w.startswith("zerofix:")]
+        print(f"VipLlava x{nproc} on {stack}: unpatched {bug['ratio']:.4f} (rel {bug['rel_err']:.3g}), patched "
+              f"{fixed['ratio']:.4f} (rel {fixed['rel_err']:.3g}); {runtime}")
+        assert bug["rel_err"] > 0.05, (nproc, bug)  # a mean of micro-batch means (5.3: times GAS)
+        assert fixed["rel_err"] < EXACT, (nproc, fixed)  # the window's token mean
+        assert runtime["count_to_loss"] == "VipLlavaForConditionalGeneration", runtime
+        assert runtime["steps_divided"] == 4 and runtime["corrected"] == 4, runtime
+        assert not [w for w in warned if "averages a term" in w or "cannot hand" in w], warned

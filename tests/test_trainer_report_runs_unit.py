@@ -16,7 +16,7 @@ pytestmark = pytest.mark.stack_independent
 def test_entries_that_act_when_used_are_not_named_at_the_start():
     used = {f.id for f in catalogue.FIXES if f.acts_when}
     assert used == {"transformers-moe-aux-loss", "trl-grpo-window-normalisation", "trl-gspo-token-window-normalisation",
-                    "transformers-deepspeed-sp-loss"}
+                    "transformers-deepspeed-sp-loss", "axolotl-withheld-count", "llamafactory-processor-withheld-count"}
     records = [Record("transformers-trainer-scaling", "applied", "transformers", "5.24.0", "", ""),
                Record("transformers-moe-aux-loss", "applied", "transformers", "5.24.0", "", ""),
                Record("trl-grpo-window-normalisation", "applied", "trl", "1.5.1", "", "")]

@@ -48,6 +48,9 @@ TWO_RANKS = [
     ({"zero": 3, "gas": 2, "reduce_scatter": False}, "means", {"latest": 2.0, "2025-12": 1.0}),
     # a subclass whose compute_loss adds a term to the base loss: not a loss zerofix read; upstream's run, said
     ({"zero": 2, "gas": 2, "added_term": True}, None, {"latest": None}),
+    # label smoothing (issue 69, item 4): upstream's SP loss never calls the label smoother (2x the unsmoothed mean of
+    # means); zerofix trains the unsmoothed token mean and says that the smoothing is not applied
+    ({"zero": 2, "gas": 2, "smoothing": 0.1}, "means", {"latest": 2.0}),
 ]
 # the other stacks: one cell of each kind (CI time); latest runs them all and the 4-rank layout
 SHORT = [0, 2, 5, 7, 9]
@@ -71,7 +74,7 @@ def launch(tmp_path, nproc: int, cells: list[dict], variants: str) -> tuple[list
 
 def _key(row) -> tuple:
     return (row["zero"], row["gas"], row.get("bs", 1), bool(row.get("loss_func")), row.get("reduce_scatter", True),
-            bool(row.get("added_term")))
+            bool(row.get("added_term")), row.get("smoothing", 0.0))
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +123,10 @@ def test_two_ranks_unpatched_show_the_measured_factor_and_patched_the_token_mean
                "data-parallel) ZeRO-2 with a compute_loss that changes Trainer.compute_loss's loss" in log
     if any(c.get("loss_func") for c, _, _ in rows):
         assert "compute_loss_func is not called under DeepSpeed sequence parallelism" in log
+    if any(c.get("smoothing") for c, _, _ in rows):
+        said = [line for line in log.splitlines() if "label_smoothing_factor=0.1 is not applied under DeepSpeed "
+                "sequence parallelism" in line]
+        assert len(said) == 1 and "zerofix trains that unsmoothed loss at the window's token mean" in said[0], said
 
 
 @pytest.mark.stack("latest")

@@ -62,6 +62,7 @@ SHORT = "zerofix.fixes.accelerate_short_window"
 MOE = "zerofix.fixes.trainer_moe_aux"
 CHUNKED = "zerofix.fixes.trainer_chunked_loss"
 SP = "zerofix.fixes.trainer_sequence_parallel"
+FRAMEWORK = "zerofix.fixes.framework_withheld_count"
 
 FIXES: tuple[Fix, ...] = (
     # The Trainer's gradient-accumulation scaling (zerofix.fixes.trainer_scaling, rule in zerofix.scaling):
@@ -165,6 +166,51 @@ FIXES: tuple[Fix, ...] = (
         covers="trainer: one process, DDP, DeepSpeed ZeRO-0..3, FSDP1, FSDP2 (paths.trainer_path); per model, "
         "where a probe finds its loss to be the chunked loss of its backbone's hidden states",
         switch=True,
+    ),
+    # A framework's own trainer that withholds the count from every model (zerofix.fixes.framework_withheld_count,
+    # issue 67): the wrapper records that the framework's __init__ set the flag; the Trainer entry hands the count and
+    # checks it at every step, as for a head whose class withholds it. Listed before accelerate's entries, after the
+    # Trainer's: it acts through the Trainer entry's step.
+    Fix(
+        id="axolotl-withheld-count",
+        title="axolotl's trainer sets model_accepts_loss_kwargs = False for every model: its runs train on a mean of "
+        "micro-batch means under gradient accumulation",
+        dist="axolotl",
+        # AxolotlTrainer.__init__'s check is new in axolotl's #3577 (first release 0.17.0; 0.16.1 has none, git
+        # history); 0.20.0 reads the loss function's signature (PR #3982). Measured 0.19.0 (axolotl train).
+        affected=">=0.17.0,<0.20.0",
+        targets=(Target("axolotl.core.trainers.base", "AxolotlTrainer.__init__", FRAMEWORK + ":axolotl_init"),),
+        implementation=FRAMEWORK,
+        upstream=("https://github.com/axolotl-ai-cloud/axolotl/pull/3982",),
+        fixed_in="0.20.0",
+        where="axolotl train with gradient_accumulation_steps > 1 (SFT, LoRA, sample packing): AxolotlTrainer sets "
+        "model_accepts_loss_kwargs = False wherever the backbone's forward does not name num_items_in_batch (every "
+        "transformers model), so the Trainer never hands the model's loss the count and each micro-batch takes its own "
+        "token mean",
+        covers="trainer: as transformers-trainer-scaling, which hands the count (paths.trainer_path)",
+        acts_when="axolotl's trainer set model_accepts_loss_kwargs = False for a model whose loss takes the count",
+    ),
+    Fix(
+        id="llamafactory-processor-withheld-count",
+        title="LLaMA-Factory's SFT and PT trainers set model_accepts_loss_kwargs = False whenever a processor is "
+        "present: vision-language runs train on a mean of micro-batch means under gradient accumulation",
+        dist="llamafactory",
+        # #7448 (first release 0.9.3; 0.9.2 sets it only in its DPO, KTO and reward trainers, whose losses are not
+        # token means) for transformers 4.49's heads; still in 0.9.5 and main, open PR #10454. Measured 0.9.5.
+        affected=">=0.9.3",
+        targets=(
+            Target("llamafactory.train.sft.trainer", "CustomSeq2SeqTrainer.__init__", FRAMEWORK + ":llamafactory_init"),
+            Target("llamafactory.train.pt.trainer", "CustomTrainer.__init__", FRAMEWORK + ":llamafactory_init"),
+        ),
+        implementation=FRAMEWORK,
+        upstream=("https://github.com/hiyouga/LLaMA-Factory/pull/7448",
+                  "https://github.com/hiyouga/LLaMA-Factory/pull/10454"),
+        fixed_in=None,
+        where="llamafactory-cli train, stage sft or pt, a model with a processor (Qwen2-VL, ...), "
+        "gradient_accumulation_steps > 1: the trainer sets model_accepts_loss_kwargs = False, so the Trainer never hands "
+        "the model's loss the count and each micro-batch takes its own token mean",
+        covers="trainer: as transformers-trainer-scaling, which hands the count (paths.trainer_path)",
+        acts_when="LLaMA-Factory's trainer set model_accepts_loss_kwargs = False for a model whose loss takes the count",
     ),
     Fix(
         id="accelerate-short-last-window",

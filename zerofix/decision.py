@@ -186,6 +186,24 @@ def coincidence_message(decision: Decision, gas: int) -> str:
             f"zerofix.loss_is_scaled_for_ga(trainer)) and this warning goes ({_becomes(measured)})")
 
 
+# Whose word a trainer's ``model_accepts_loss_kwargs = False`` is (issue 67). A flag the framework's own code sets is a
+# known bug of that framework's releases where its own later release or an upstream issue or PR says so: a catalogue
+# entry for those releases records it (zerofix.framework_flags), and the count is handed as the fixed release hands it.
+# A flag set by the user's own script or Trainer subclass stays the user's word and is followed; so does one the
+# framework set where a subclass from outside it runs its own ``__init__`` around the framework's (it may set the flag
+# too, and the two cannot be told apart): followed, and said.
+FRAMEWORK_BUG = "a framework's known bug"
+UNCLEAR = "the framework's, or a subclass's around it"
+
+
+def framework_word(flag) -> str | None:
+    """``FRAMEWORK_BUG``, ``UNCLEAR`` or None (no framework entry recorded the flag: the trainer's own, or the user's)
+    for a ``zerofix.framework_flags.FrameworkFlag`` (or None)."""
+    if flag is None:
+        return None
+    return UNCLEAR if flag.around else FRAMEWORK_BUG
+
+
 # Losses whose normaliser is the local batch by their library's own definition: a right usage, so never changed; with
 # gradient accumulation or several processes the update averages micro-batch means, which is said once a run.
 # TRL's GRPO "bnpo" (its docs: normalised over the local batch, results vary with the local batch size; ms-swift's GRPO

@@ -299,6 +299,9 @@ class _Step:
     def __init__(self):
         self.marks: dict[int, tuple] = {}  # id(tensor) -> (weak reference, what it is as a function of the count)
         self.escapes: list[str] = []
+        # escapes of a value that was already the loss (a compute_loss that logs float(loss)): (route, the tensor's
+        # weak reference, its autograd node then), dropped by decide() where that tensor is on the loss's last chain
+        self.read_out: list[tuple] = []
         self.open = True  # until decide(): reads after the verdict (the backward's saved count) change nothing
         self.compiled_before = _COMPILED_READS.n
 
@@ -310,9 +313,30 @@ _PYTHON_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
                 | torch._C.DispatchKeySet(torch._C.DispatchKey.PythonTLSSnapshot))
 
 
-def _escape(route: str) -> None:
-    if _live is not None and _live.open and route not in _live.escapes:
+def _escape(route: str, tensor=None) -> None:
+    if _live is None or not _live.open:
+        return
+    if tensor is not None:  # kept aside: decide() knows whether it was the loss itself
+        _live.read_out.append((route, weakref.ref(tensor), tensor.grad_fn))
+    elif route not in _live.escapes:
         _live.escapes.append(route)
+
+
+def _on_the_loss(loss, ref, node, depth: int = 4) -> bool:
+    """Whether a tensor whose value left the watch is the loss itself, or its value before the loss's last scalings
+    (the Trainer's ``loss / gas``: operations of one tensor input): the value it read out was computed from the loss's
+    own last value, so it cannot have entered it."""
+    if ref() is loss:
+        return True
+    current = getattr(loss, "grad_fn", None)
+    for _ in range(depth):
+        if current is None or node is None:
+            return False
+        if current is node:
+            return True
+        inputs = [n for n, _ in current.next_functions if n is not None]
+        current = inputs[0] if len(inputs) == 1 else None
+    return False
 
 
 def _power(tensor):
@@ -334,15 +358,38 @@ def _mark(tensor, term: Term) -> None:
 
 def _operand(x, summed: bool = False) -> Term:
     """``x`` as a Term. ``summed``: an operand of a sum, whose constants are asked whether they are exactly zero (a
-    term that adds nothing); read before the operation runs, so an in-place sum asks of the value it starts from."""
+    term that adds nothing); read before the operation runs, so an in-place sum asks of the value it starts from. A
+    constant's factor is its value where it has one: a Python number, or a one-element tensor without a gradient
+    (``torch.tensor(4.0)`` is read as ``4`` is, issue 69); anything else is part of what is independent of the
+    count (factor 1)."""
     if isinstance(x, torch.Tensor):
         term = _power(x)
         if term is not _UNMARKED:
             return term
-        return Term(Constant(x, zero=summed and _is_zero(x)), ONE)
+        value = constant_value(x)
+        return Term(Constant(x, zero=summed and _is_zero(x)), ONE if value is None else _fraction(value))
     if _is_number(x):
         return Term(Constant(None, zero=x == 0, value=x), _fraction(x))
     return Term(OTHER, None)
+
+
+def constant_value(value) -> float | None:
+    """The number a constant stands for: a Python number, or the value of a one-element tensor without a gradient
+    (what ``loss / 4``, ``loss * torch.tensor(4.0)`` and the Trainer's ``loss *= num_processes`` save); None for
+    anything else. The one reading of a constant factor: the watch's factor of a divided loss and the Trainer entry's
+    last scalings of an independent one both use it, so ``* 4`` and ``* torch.tensor(4.0)`` are one coincidence
+    (``zerofix.decision``)."""
+    global _inside
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.requires_grad or value.device.type == "meta" or value.is_complex():
+            return None
+        _inside += 1
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                value = value.detach().item()
+        finally:
+            _inside -= 1
+    return float(value) if _is_number(value) else None
 
 
 def _is_zero(tensor) -> bool:
@@ -395,7 +442,10 @@ class _Watched(torch.Tensor):
             # ``if n > 0:`` reads a comparison true wherever the count is positive: it picks a branch, no value leaves
             if live and not (name == "__bool__" and args and _power(args[0]) is not _UNMARKED
                              and _power(args[0]).power is GUARD):
-                _escape(_ESCAPES[name])
+                # a value already divided by the count (the loss logged as a number) may be the loss itself: kept aside
+                read = args[0] if args and isinstance(args[0], torch.Tensor) and not isinstance(args[0], _Count) and \
+                    _power(args[0]) is not _UNMARKED and _power(args[0]).power == MINUS_ONE else None
+                _escape(_ESCAPES[name], read)
             args = tuple(_plain(a) if isinstance(a, _Count) else a for a in args)  # NumPy refuses a dispatch key
         # what the result is, from the operands as they are before the operation (an in-place sum changes its first)
         term = _result(name, args, kwargs) if live and name not in _ESCAPES else None
@@ -536,6 +586,9 @@ def decide(loss, accounted=lambda tensor: False) -> Verdict:
     if _COMPILED_READS.n != step.compiled_before:
         step.escapes.append(COMPILED)
     term = _power(loss)
+    for route, ref, node in step.read_out:
+        if not _on_the_loss(loss, ref, node) and route not in step.escapes:
+            step.escapes.append(route)
     if step.escapes:
         return Verdict(UNKNOWN, "the count left the watch as " + " and ".join(step.escapes))
     if term is _UNMARKED:

@@ -108,8 +108,14 @@ def summary_lines(records, *, deepspeed: bool = True, trl: bool = True, path=Non
     if not records:
         return ["zerofix is not patched in this process (ZEROFIX=1 or zerofix.patch()): it changes nothing here"]
     applied = [r for r in records if r.state == "applied"]
+    failed = [r for r in records if r.state in ("failed", "target-changed")]
+    broken = (f"; {len(failed)} fix(es) in range could not be applied: " + "; ".join(
+        f"{r.id} {'failed' if r.state == 'failed' else 'found its target changed'} ({r.reason})" for r in failed)
+        if failed else "")
     if not applied:
-        return ["zerofix is active; no fix applies to the installed releases, so it changes nothing in this run"]
+        # issue 69: a fix that failed (wrapt missing from a --no-deps install) is said as failed, never as out of range
+        return [f"zerofix is active, but no fix is applied, so it changes nothing in this run{broken}" if failed else
+                "zerofix is active; no fix applies to the installed releases, so it changes nothing in this run"]
     # a switch (the chunked loss) decides per model at the first step, and an entry that acts only where the run uses
     # what it fixes (an MoE router loss, TRL's own GRPO loss) is named once a step did: said then (switch_lines,
     # used_lines), never here
@@ -129,6 +135,8 @@ def summary_lines(records, *, deepspeed: bool = True, trl: bool = True, path=Non
     if rest:
         lines.append(f"zerofix: also applied in this process, for paths this run does not take: "
                      f"{', '.join(r.id for r in rest)}")
+    if failed:
+        lines.append(f"zerofix: not applied in this process{broken}")
     return lines
 
 
@@ -164,6 +172,9 @@ def verdict_lines(records, seen: set) -> list[str]:
                 "count_handed": lambda v: (f"zerofix: {record.id} on {name}: the count handed to {v}" if "stopped" in v
                                            else f"zerofix: {record.id} acts on {name} because the Trainer never "
                                            f"hands num_items_in_batch to {v}"),
+                "count_to_loss": lambda v: (f"zerofix: {record.id} on {name}: the count handed to {v}" if "stopped" in v
+                                            else f"zerofix: {record.id} acts on {name} because {v}'s forward calls its "
+                                            "loss function without num_items_in_batch: zerofix hands it the count"),
                 "covered": lambda v: f"zerofix: {record.id} on {name}: {v}",
                 "route": lambda v: f"zerofix: {record.id} on {name}: the verdict is unknown ({v}); "
                                    + (f"the statement {statement} decides how it is scaled" if statement else

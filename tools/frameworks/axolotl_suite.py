@@ -36,9 +36,12 @@ ROWS = {
     # and the big batch pack the same samples (one step takes them all)
     "packing": {"data": ("sft", "chat_template"), "sample_packing": True, "sample_packing_sequentially": True,
                 "sequence_len": 64, "pad_to_sequence_len": True},
-    # sft, with ZEROFIX_HAND_COUNT_TO_MODEL=1 in its ZEROFIX=1 run: the user's word that the trainer's own
-    # model_accepts_loss_kwargs = False is not theirs (the unpatched run is sft's)
-    "sft-hand": {"data": ("sft", "chat_template")},
+    # LoRA on every linear layer, initialised by PiSSA (an exact SVD of the weights: the same adapter in every run,
+    # where the default random lora_A differs between a 1 x 8 and a 4 x 2 run at one seed); axolotl's LoRA kernels
+    # (on by default) allocate on "cuda": off on this machine
+    "lora": {"data": ("sft", "chat_template"), "adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+             "lora_target_linear": True, "peft_init_lora_weights": "pissa", "lora_mlp_kernel": False,
+             "lora_qkv_kernel": False, "lora_o_kernel": False},
     "dpo": {"data": ("pairs", "chat_template.default"), "rl": "dpo", "rl_beta": 0.1},
     "orpo": {"data": ("orpo", "chat_template.argilla"), "rl": "orpo", "orpo_alpha": 0.1},
     "kto": {"data": ("kto", "chatml.argilla"), "rl": "kto", "rl_beta": 0.1, "remove_unused_columns": False},
@@ -91,7 +94,7 @@ def deepspeed_config(work: Path, layout: str) -> Path:
 
 
 def command(work: Path, row: str, out: Path, gas: int, batch: int, layout: str | None = None,
-            sixteen: bool = False) -> list[str]:
+            sixteen: bool = False, lr: float = 1.0) -> list[str]:
     keys = dict(ROWS[row])
     name, kind = keys.pop("data")
     if keys.get("sample_packing"):  # a micro-batch is packed sequences, about two samples each: one a micro-batch
@@ -103,7 +106,7 @@ def command(work: Path, row: str, out: Path, gas: int, batch: int, layout: str |
     config = {"base_model": str(work / "model"), "tokenizer_type": "AutoTokenizer", "datasets": [dataset],
               "chat_template": "tokenizer_default", "dataset_prepared_path": str(out.parent / f"{out.name}-prepared"),
               "val_set_size": 0, "output_dir": str(out), "sequence_len": 512, "micro_batch_size": batch,
-              "gradient_accumulation_steps": gas, "max_steps": 1, "optimizer": "sgd", "learning_rate": 1.0,
+              "gradient_accumulation_steps": gas, "max_steps": 1, "optimizer": "sgd", "learning_rate": lr,
               "lr_scheduler": "constant", "warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": 0.0,
               "bf16": False, "fp16": False, "tf32": False, "sdp_attention": True, "seed": 0,
               "shuffle_merged_datasets": False, "save_steps": 1, "save_only_model": True,
@@ -121,9 +124,8 @@ def command(work: Path, row: str, out: Path, gas: int, batch: int, layout: str |
 FRAMEWORK = fw_measure.Framework(
     name="axolotl", rows=tuple(ROWS), judged=frozenset(ROWS) - {"kto"}, command=command,
     two_process_env=lambda: {},  # the layout's launcher is on the command line
-    weights="checkpoint-1/*.safetensors",
-    prepare=prepare, base_env={"HF_HUB_OFFLINE": "1", "AXOLOTL_DO_NOT_TRACK": "1"},
-    zerofix_env=lambda row: {"ZEROFIX_HAND_COUNT_TO_MODEL": "1"} if row.startswith("sft-hand") else {})
+    weights="checkpoint-1/*.safetensors", adapters=frozenset({"lora"}),
+    prepare=prepare, base_env={"HF_HUB_OFFLINE": "1", "AXOLOTL_DO_NOT_TRACK": "1"})
 
 if __name__ == "__main__":
     sys.exit(FRAMEWORK.main())

@@ -27,6 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import fw_measure  # noqa: E402
+import tiny_vlm  # noqa: E402
 
 # row -> (the YAML's keys besides the common ones); dataset names are dataset_info.json's below
 ROWS = {
@@ -42,7 +43,19 @@ ROWS = {
     "simpo": {"stage": "dpo", "dataset": "pairs", "pref_loss": "simpo", "pref_beta": 0.1},
     "kto": {"stage": "kto", "dataset": "kto", "pref_beta": 0.1},
     "rm": {"stage": "rm", "dataset": "pairs"},
+    # vision-language models with images (issue 67: with a processor, LLaMA-Factory's SFT trainer sets
+    # model_accepts_loss_kwargs = False), tiny_vlm's models and data; "family" names the model's folder
+    "vlm": {"stage": "sft", "dataset": "vlm", "family": "qwen2_vl", "template": "qwen2_vl"},
+    # LoRA on every linear layer, initialised by PiSSA with an exact SVD (pissa_iter -1): the same adapter in every run
+    "vlm-lora": {"stage": "sft", "dataset": "vlm", "family": "qwen2_vl", "template": "qwen2_vl",
+                 "finetuning_type": "lora", "lora_target": "all", "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+                 "pissa_init": True, "pissa_iter": -1},
+    "vlm25": {"stage": "sft", "dataset": "vlm", "family": "qwen2_5_vl", "template": "qwen2_vl"},
+    # one own-mean head of the count survey: Qwen3-VL, whose class says accepts_loss_kwargs = False and whose forward
+    # calls its loss function without the count on transformers 5.6
+    "vlm3": {"stage": "sft", "dataset": "vlm", "family": "qwen3_vl", "template": "qwen3_vl_nothink"},
 }
+VLM_ROWS = frozenset(row for row, keys in ROWS.items() if "family" in keys)
 SHAREGPT_TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}
 # LLaMA-Factory v0.9.5's examples/deepspeed/ds_z{2,3}_config.json: the keys that matter on this machine ("auto" from
 # the Trainer's arguments; fp16 / bf16 "auto" stay off in an fp32 run)
@@ -78,12 +91,15 @@ def prepare(work: Path) -> None:
                                   "tags": SHAREGPT_TAGS}
     info["kto"] = {"file_name": "kto.jsonl", "formatting": "sharegpt",
                    "columns": {"messages": "messages", "kto_tag": "label"}, "tags": SHAREGPT_TAGS}
+    info["vlm"] = {"file_name": "vlm.jsonl", "formatting": "sharegpt",
+                   "columns": {"messages": "messages", "images": "images"}, "tags": SHAREGPT_TAGS}
     (work / "dataset_info.json").write_text(json.dumps(info, indent=1))
     # the reward model's value head (TRL's, which LLaMA-Factory's stage rm adds) drops 10% of its input unless the
     # model's config says otherwise: random masks drawn in a different order by GA and the big batch
     config = json.loads((work / "model" / "config.json").read_text())
     config["summary_dropout_prob"] = 0.0
     (work / "model" / "config.json").write_text(json.dumps(config, indent=1))
+    tiny_vlm.build(work)  # the vision-language rows' models and data (a few seconds)
 
 
 def deepspeed_config(work: Path, layout: str) -> Path:
@@ -95,16 +111,17 @@ def deepspeed_config(work: Path, layout: str) -> Path:
 
 
 def command(work: Path, row: str, out: Path, gas: int, batch: int, layout: str | None = None,
-            sixteen: bool = False) -> list[str]:
+            sixteen: bool = False, lr: float = 1.0) -> list[str]:
     keys = dict(ROWS[row])
     if sixteen and not keys["dataset"].endswith("16"):
         keys["dataset"] += "16"
-    config = {"model_name_or_path": str(work / "model"), "do_train": True, "finetuning_type": "full",
+    model = work / keys.pop("family", "model")
+    config = {"model_name_or_path": str(model), "do_train": True, "finetuning_type": "full",
               "dataset_dir": str(work), "template": "chatml", "cutoff_len": 512, "overwrite_cache": True,
               "preprocessing_num_workers": 1, "dataloader_num_workers": 0, "output_dir": str(out),
               "logging_steps": 1, "save_steps": 1, "save_only_model": True, "overwrite_output_dir": True,
               "report_to": "none", "per_device_train_batch_size": batch, "gradient_accumulation_steps": gas,
-              "learning_rate": 1.0, "max_steps": 1, "lr_scheduler_type": "constant", "warmup_ratio": 0.0,
+              "learning_rate": lr, "max_steps": 1, "lr_scheduler_type": "constant", "warmup_ratio": 0.0,
               "optim": "sgd", "weight_decay": 0.0, "max_grad_norm": 0.0, "disable_shuffling": True, "seed": 0,
               "bf16": False, "fp16": False, **keys}
     if layout in ZERO:
@@ -117,7 +134,8 @@ def command(work: Path, row: str, out: Path, gas: int, batch: int, layout: str |
 FRAMEWORK = fw_measure.Framework(
     name="llamafactory", rows=tuple(ROWS), judged=frozenset(ROWS) - {"kto"}, command=command,
     two_process_env=lambda: {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2"},  # LLaMA-Factory launches torchrun
-    weights="checkpoint-1/model.safetensors",
+    weights="checkpoint-1/*model.safetensors", adapters=frozenset({"vlm-lora"}),  # a LoRA run saves its adapter
+    model_of=lambda work, row: work / ROWS[row].get("family", "model"),
     prepare=prepare, base_env={"HF_HUB_OFFLINE": "1"})
 
 if __name__ == "__main__":

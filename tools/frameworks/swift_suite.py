@@ -31,6 +31,9 @@ import fw_measure  # noqa: E402
 # row -> (swift subcommand arguments, dataset file)
 ROWS = {
     "sft": (["sft"], "sft.jsonl"),
+    # ms-swift #10084 (a short last window said to get half the gradient): 10 samples, one epoch, GA 4 x 2 gives a window
+    # of 4 micro-batches, then one of 1; the big batch 8 x 1 takes the same two steps (8 samples, then 2)
+    "sft-short": (["sft"], "sft10.jsonl"),
     "sft-dft": (["sft", "--enable_dft_loss", "true"], "sft.jsonl"),  # ms-swift's DFT loss (arXiv 2508.05629)
     "sft-react": (["sft", "--loss_scale", "react"], "sft.jsonl"),  # the ReAct loss scale (weights per span)
     "dpo": (["rlhf", "--rlhf_type", "dpo"], "dpo.jsonl"),
@@ -68,6 +71,8 @@ orms["length"] = Length
 def prepare(work: Path) -> None:
     """GRPO's reward plugin and its prompts (the SFT samples' user turns: 4 prompts x 2 completions make 8)."""
     (work / "length_reward.py").write_text(LENGTH_REWARD)
+    sixteen = (work / "sft16.jsonl").read_text().splitlines()
+    (work / "sft10.jsonl").write_text("".join(line + "\n" for line in sixteen[:10]))
     for name, count in (("prompts.jsonl", 4), ("prompts16.jsonl", 8)):
         rows = [json.loads(line) for line in (work / name.replace("prompts", "sft")).read_text().splitlines()]
         (work / name).write_text("".join(json.dumps({"messages": [m for m in r["messages"] if m["role"] == "user"]})
@@ -93,12 +98,15 @@ def command(work: Path, row: str, out: Path, gas: int, batch: int, layout: str |
         data = data.replace(".jsonl", "16.jsonl")
     extra = ["--deepspeed", str(deepspeed_config(work, layout))] if layout in ("zero2", "zero3") else []
     sub = [arg.format(work=work) for arg in sub]
+    # one SGD step; a short-window row: one epoch (two steps), its weights after both
+    steps = ["--max_steps", "-1", "--num_train_epochs", "1", "--save_steps", "2"] if row == "sft-short" else \
+        ["--max_steps", "1", "--save_steps", "1"]
     return [swift, *sub, *extra, "--model", str(work / "model"), "--model_type", "llama", "--template", "chatml",
             "--dataset", str(work / data), "--tuner_type", "full", "--torch_dtype", "float32", "--fp16", "false",
             "--bf16", "false", "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", str(gas),
-            "--max_steps", "1", "--learning_rate", "1", "--optim", "sgd", "--lr_scheduler_type", "constant",
+            *steps, "--learning_rate", "1", "--optim", "sgd", "--lr_scheduler_type", "constant",
             "--warmup_ratio", "0", "--weight_decay", "0", "--max_grad_norm", "0", "--output_dir", str(out),
-            "--save_strategy", "steps", "--save_steps", "1", "--save_only_model", "true", "--logging_steps", "1",
+            "--save_strategy", "steps", "--save_only_model", "true", "--logging_steps", "1",
             "--use_cpu", "true", "--split_dataset_ratio", "0", "--dataloader_num_workers", "0", "--report_to", "none",
             "--seed", "0", "--dataset_shuffle", "false", "--train_dataloader_shuffle", "false"]
 
@@ -106,7 +114,7 @@ def command(work: Path, row: str, out: Path, gas: int, batch: int, layout: str |
 FRAMEWORK = fw_measure.Framework(
     name="swift", rows=tuple(ROWS), judged=frozenset(ROWS) - {"kto"}, command=command,
     two_process_env=lambda: {"NPROC_PER_NODE": "2"},  # ms-swift launches torchrun itself
-    weights="*/checkpoint-1/model.safetensors", prepare=prepare,
+    weights="*/checkpoint-*/model.safetensors", prepare=prepare,  # one checkpoint a run: its last step's
     base_env={"MODELSCOPE_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
 
 if __name__ == "__main__":

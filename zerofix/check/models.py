@@ -39,8 +39,10 @@ IGNORE = -100
 NUM_LABELS = 3
 MODEL_KINDS = ("causal-lm", "custom", "seq-cls-llama", "seq-cls-bert", "peft-seq-cls-llama", "moe", "nokw-llama",
                "own-mean-llama", "inline-mean-llama", "fused-mean-llama", "vlm", "vlm-image", "qwen3vl-image",
-               "glm4v-image", "qwen35-image", "gemma3-image")
-OWN_MEAN_IMAGE_KINDS = ("qwen3vl-image", "glm4v-image", "qwen35-image", "gemma3-image")
+               "glm4v-image", "qwen35-image", "gemma3-image", "vipllava-image")
+# the heads whose forward keeps the count from its loss on some release: their own mean, or a loss function called
+# without it (VipLlava on 4.57 - 5.x, whose class does not say so: issue 69)
+OWN_MEAN_IMAGE_KINDS = ("qwen3vl-image", "glm4v-image", "qwen35-image", "gemma3-image", "vipllava-image")
 VLM_KINDS = ("vlm", "vlm-image")  # the tiny Qwen2.5-VL, on text only and with images
 # The tiny VLM's image: tokens 1..6 of a sample are <vision_start>, four image tokens (one per 2x2 patch) and
 # <vision_end>; its pixels are 4 patches of 3 x 2 x 2 values.
@@ -52,6 +54,7 @@ SEQUENCE_KINDS = ("seq-cls-llama", "seq-cls-bert", "peft-seq-cls-llama")
 
 TYPED = "token-typed"  # next-token labels, and token types (zeros: text) the head requires in training
 TYPED_IMAGE = "image-typed"  # the image samples as Gemma 3 takes them: pixels of one image, its tokens typed 1
+PIXEL_IMAGE = "image-pixels"  # the same images as LLaVA-style heads take them: pixels of one 3 x 4 x 4 image
 
 
 @functools.lru_cache(maxsize=None)  # the reference asks per micro-batch; an hf: kind's answer is in a file
@@ -67,6 +70,8 @@ def task_of(kind: str) -> str:
         return "image"
     if kind == "gemma3-image":
         return TYPED_IMAGE
+    if kind == "vipllava-image":
+        return PIXEL_IMAGE
     return "sequence" if kind in SEQUENCE_KINDS else "token"
 
 
@@ -142,7 +147,7 @@ def build_model(kind: str, seed: int = 0, *, loss_only: bool = False) -> nn.Modu
         return _tiny_vlm()
     if kind in OWN_MEAN_IMAGE_KINDS:
         return {"qwen3vl-image": _tiny_qwen3_vl, "glm4v-image": _tiny_glm4v, "qwen35-image": _tiny_qwen3_5,
-                "gemma3-image": _tiny_gemma3}[kind]()
+                "gemma3-image": _tiny_gemma3, "vipllava-image": _tiny_vipllava}[kind]()
     if kind == "moe":
         from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -310,6 +315,21 @@ def _tiny_gemma3() -> nn.Module:
     return _eager(Gemma3ForConditionalGeneration, config)
 
 
+def _tiny_vipllava() -> nn.Module:
+    """A tiny VipLlavaForConditionalGeneration: a CLIP tower reading a 4x4-pixel image of four 2x2 patches (its class
+    token dropped: four image tokens), two of its layers projected."""
+    from transformers import VipLlavaConfig, VipLlavaForConditionalGeneration
+
+    config = VipLlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=4, patch_size=2, projection_dim=16),
+        image_token_index=IMAGE_TOKEN, vision_feature_layers=[-2, -1], projector_layernorm_eps=1e-5)
+    return _eager(VipLlavaForConditionalGeneration, config)
+
+
 def sample(index: int, seed: int = 0, task: str = "token") -> dict:
     """Sample ``index``: random tokens of a random length (so micro-batches count different numbers
     of tokens), right-padded. Labels ignore the padding and position 0: the Trainer counts unshifted
@@ -323,7 +343,7 @@ def sample(index: int, seed: int = 0, task: str = "token") -> dict:
     labels[0] = IGNORE
     if task == "sequence":  # one class per sample, from its tokens
         labels = torch.tensor(int(ids.sum()) % NUM_LABELS)
-    if task in ("image", TYPED_IMAGE):  # an image in front: its tokens, never predicted
+    if task in ("image", TYPED_IMAGE, PIXEL_IMAGE):  # an image in front: its tokens, never predicted
         ids = ids.clamp(max=IMAGE_TOKEN - 1) * mask
         ids[1:7] = torch.tensor([VISION_START] + [IMAGE_TOKEN] * IMAGE_PATCHES + [VISION_END])
         length = max(length, 8)
@@ -334,6 +354,8 @@ def sample(index: int, seed: int = 0, task: str = "token") -> dict:
         if task == TYPED_IMAGE:  # the same values as one 3 x 4 x 4 image; its tokens typed 1 (Gemma 3)
             return {"input_ids": ids, "attention_mask": mask, "labels": labels,
                     "pixel_values": pixels.reshape(1, 3, 4, 4), "token_type_ids": (ids == IMAGE_TOKEN).long()}
+        if task == PIXEL_IMAGE:  # the same values as one 3 x 4 x 4 image (LLaVA's heads: VipLlava)
+            return {"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": pixels.reshape(1, 3, 4, 4)}
         return {"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": pixels,
                 "image_grid_thw": torch.tensor([[1, 2, 2]])}  # one image of 2 x 2 patches
     if task == TYPED:  # a head that requires token types in training (Gemma 3 on 4.57 - 5.3): all text

@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", default='[{"zero": 2, "gas": 2}]',
                         help="JSON list of cells: zero, gas, bs (1), sp (2), lr (1.0), loss_func (false), "
-                             "reduce_scatter (true)")
+                             "reduce_scatter (true), smoothing (0.0: the Trainer's label_smoothing_factor)")
     parser.add_argument("--variants", default="unpatched,patched",
                         help="comma-separated, in order, one Trainer each per cell: unpatched, patched")
     parser.add_argument("--out", required=True, help="a folder: result.jsonl (rank 0) and rank<N>.error")
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     _gather_a_scalar_on_gloo()
     for cell in json.loads(args.cells):
         cell = {"bs": 1, "sp": 2, "lr": 1.0, "loss_func": False, "reduce_scatter": True, "added_term": False,
-                "backend": args.backend, **cell}
+                "smoothing": 0.0, "backend": args.backend, **cell}
         for variant in args.variants.split(","):
             if variant == "patched":
                 zerofix.patch()
@@ -247,7 +247,7 @@ def train_once(args, variant):
         max_steps=1, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=0.0, optim="sgd", report_to="none", save_strategy="no", logging_strategy="no",
         use_cpu=getattr(args, "backend", "gloo") == "gloo", dataloader_num_workers=0, remove_unused_columns=False,
-        disable_tqdm=True,
+        disable_tqdm=True, label_smoothing_factor=getattr(args, "smoothing", 0.0),
         deepspeed=deepspeed_config(args.zero, args.reduce_scatter), parallelism_config=pc)
     trainer = Sequential(model=model, args=targs, train_dataset=Indexed(), data_collator=collate,
                          compute_loss_func=divided_loss_func if args.loss_func else None)

@@ -165,14 +165,7 @@ def _probe(model, batch, autocast=None) -> _Route:
         # does is a backward (FSDP2 reshards its root's parameters after one, so no forward may follow it)
         for with_count in (False, True):
             extra = {"num_items_in_batch": count} if with_count else {}
-            captured = []
-            start.restore()  # the same random state and buffers for every forward of the proof
-            hook = backbone.register_forward_hook(lambda m, a, out: _leaf_hidden(out, captured))
-            try:
-                with torch.set_grad_enabled(with_count):
-                    own = original(*args, **kwargs, labels=labels, use_cache=False, **extra)
-            finally:
-                hook.remove()
+            own, captured = own_forward(args, kwargs, extra, with_count)
             if getattr(own, "aux_loss", None) is not None:
                 seen["why"] = "its loss adds a router auxiliary loss (an MoE model: output_router_logits)"
                 return own
@@ -182,16 +175,36 @@ def _probe(model, batch, autocast=None) -> _Route:
                 with zero3.gathered(head.weight, head.bias):
                     ours = _loss(model, route, hidden, labels, count if with_count else None)
                 why = _differs(own, ours, captured, hidden, tolerance, with_count)
+            if why and not with_count and not _reproduces(own, own_forward(args, kwargs, extra, False)[0]):
+                # its own forward twice from one random state gave two losses: a draw this proof cannot replay
+                why = ("its training forward does not repeat itself from one random state (torch's, Python's and "
+                       "NumPy's, which zerofix replays): it draws from elsewhere, so no route can be proven equal")
             if why:
                 seen["why"] = why
                 return own
         return own
 
+    def own_forward(args, kwargs, extra, with_grad):
+        """The model's own training forward with the labels, from the proof's start, and the hidden states its head
+        reads as a leaf: the backbone's output, or the head's input where the backbone's own forward never runs (OPT
+        calls its decoder directly)."""
+        captured = []
+        start.restore()  # the same random state and buffers for every forward of the proof
+        hooks = [backbone.register_forward_hook(lambda m, a, out: _leaf_hidden(out, captured)),
+                 head.register_forward_pre_hook(lambda m, a: None if captured else _leaf_input(a, captured))]
+        try:
+            with torch.set_grad_enabled(with_grad):
+                return original(*args, **kwargs, labels=labels, use_cache=False, **extra), captured
+        finally:
+            for hook in hooks:
+                hook.remove()
+
     original, kept = type(model).forward.__get__(model), vars(model).get("forward")
     start = replay.Point(model)
     model.forward = probe_forward
     try:
-        model(**inputs)
+        with _unseen_by_user_hooks(backbone):  # the user's hooks in the backbone see the step's forwards, not the proof's
+            model(**inputs)
     except Exception as exc:  # noqa: BLE001 - a family this proof cannot drive keeps its own loss
         return _Route(False, f"the route cannot reproduce its loss on this batch ({type(exc).__name__}: "
                       f"{str(exc)[:160]})")
@@ -237,6 +250,63 @@ def _leaf_hidden(output, captured: list):
         output.last_hidden_state = leaf
         return output
     return (leaf, *output[1:])
+
+
+def _leaf_input(args, captured: list):
+    """The head's input in the model's own forward, as a leaf whose gradient the proof reads (a model whose forward
+    runs its backbone's parts itself, so the backbone's own hook never fires)."""
+    leaf = args[0].detach().requires_grad_(True)
+    captured.append(leaf)
+    return (leaf, *args[1:])
+
+
+def _reproduces(first, second) -> bool:
+    """Whether two runs of the model's own forward from one random state gave the same loss (bitwise)."""
+    a, b = (getattr(o, "loss", None) if hasattr(o, "loss") else o[0] for o in (first, second))
+    return a is not None and b is not None and torch.equal(a.detach(), b.detach())
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
+
+
+class _unseen_by_user_hooks:
+    """The forward hooks a user put on ``module``'s submodules, taken off for the proof's forwards and put back after,
+    each in its place (issue 69: a hook on ``model.model.norm`` saw 8 calls in a 4-step run, 4 of them the proof's).
+    The engines' hooks (DeepSpeed's ZeRO-3 gathers, FSDP's, accelerate's) and the libraries' own (transformers' input
+    gradients, PEFT's) stay: the proof's forwards need them as the step does."""
+
+    def __init__(self, module):
+        self.module, self.taken = module, []
+
+    def __enter__(self):
+        for sub in self.module.modules():
+            for name in _HOOK_DICTS:
+                hooks = getattr(sub, name, None)
+                if hooks and any(_is_users(h) for h in hooks.values()):
+                    order = list(hooks.items())
+                    for key, hook in order:
+                        if _is_users(hook):
+                            del hooks[key]
+                    self.taken.append((hooks, order))
+        return self
+
+    def __exit__(self, *exc):
+        for hooks, order in self.taken:
+            added = [(k, h) for k, h in hooks.items() if k not in dict(order)]  # set during the proof: kept, after
+            hooks.clear()
+            hooks.update(order)
+            hooks.update(added)
+        self.taken = []
+
+
+_ENGINES = ("deepspeed", "torch.distributed", "accelerate", "zerofix")
+_LIBRARIES = _ENGINES + ("transformers", "peft")
+
+
+def _is_users(hook, libraries=_LIBRARIES) -> bool:
+    """A hook that no engine or library set (read from the module that defined its function)."""
+    function = getattr(hook, "__func__", hook)
+    return not (getattr(function, "__module__", None) or "").startswith(libraries)
 
 
 def _close(a, b, tolerance: float) -> bool:
@@ -381,12 +451,16 @@ def _aside_reason(trainer, model, target, inputs, args, kwargs) -> str:
     if inputs.get("output_hidden_states") or getattr(config, "output_hidden_states", False):
         return "output_hidden_states (the caller reads the model's hidden states)"
     head = target.get_output_embeddings() if callable(getattr(target, "get_output_embeddings", None)) else None
-    if isinstance(head, torch.nn.Module) and _user_hooks(head):
+    if isinstance(head, torch.nn.Module) and (_user_hooks(head) or _user_backward_hooks(head)):
         return "hooks on the output head (the route never calls it, so they would not fire)"
-    hooked = next((m for m in _wrappers(model, target) if _user_hooks(m, pre=False)), None)
-    if hooked is not None:
-        return (f"forward hooks on {type(hooked).__name__} (the model's output, whose logits the route does not "
-                "build, reaches them)")
+    for wrapper in _wrappers(model, target):
+        kind = "forward" if _user_hooks(wrapper, pre=False) else "backward" if _user_backward_hooks(wrapper) else None
+        if kind:
+            return (f"{kind} hooks on {type(wrapper).__name__} (the model's output, whose logits the route does not "
+                    "build, reaches them)")
+    if _process_wide_hooks():
+        return ("process-wide module hooks (torch.nn.modules.module.register_module_forward_hook and its kin: they see "
+                "every module's call and output, the head's logits too, which the route does not build)")
     return ""
 
 
@@ -407,11 +481,25 @@ def _wrappers(model, target) -> list:
 
 def _user_hooks(module, pre: bool = True) -> bool:
     """Forward hooks on ``module`` that no engine (nor zerofix's Trainer entry) set (DeepSpeed's ZeRO-3 and FSDP hook every
-    module); ``pre``: its
-    pre-hooks too (they see the inputs only, which the route passes on as they are)."""
+    module); ``pre``: its pre-hooks too (they see the inputs only, which the route passes on as they are)."""
     hooks = [*module._forward_hooks.values(), *(module._forward_pre_hooks.values() if pre else ())]
-    return any(not getattr(h, "__module__", "").startswith(("deepspeed", "torch.distributed", "accelerate", "zerofix"))
-               for h in hooks)
+    return any(_is_users(h, _ENGINES) for h in hooks)
+
+
+def _user_backward_hooks(module) -> bool:
+    """Backward hooks on ``module`` that no engine set: on the head they would never fire (the route never calls it), on
+    the model they would see gradients of outputs the route does not build."""
+    hooks = [*module._backward_hooks.values(), *module._backward_pre_hooks.values()]
+    return any(_is_users(h, _ENGINES) for h in hooks)
+
+
+def _process_wide_hooks() -> bool:
+    """Hooks a user registered for every module (``register_module_forward_hook`` and the pre / backward ones)."""
+    from torch.nn.modules import module as torch_module
+
+    names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+             "_global_backward_pre_hooks")
+    return any(_is_users(h, _ENGINES) for name in names for h in getattr(torch_module, name, {}).values())
 
 
 def compute_loss(wrapped, trainer, args, kwargs):

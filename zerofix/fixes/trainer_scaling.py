@@ -87,8 +87,8 @@ import torch
 
 from accelerate.utils import DistributedType  # imported by the fixes only, once accelerate is
 
-from zerofix import (decision, envvalues, micro_means, num_items_watch, own_mean, paths, replay, scaling, trainer_report,
-                     versions)
+from zerofix import (decision, envvalues, framework_flags, micro_means, num_items_watch, own_mean, paths, replay,
+                     scaling, trainer_report, versions)
 from zerofix.fixes.contract import Check, drifted, found
 from zerofix.identity import WeakIdentityMap
 
@@ -105,7 +105,7 @@ class Known:
 
     __slots__ = ("run", "path", "compiled", "verdict", "window", "stated", "statement", "details", "plans", "warned",
                  "handing", "counted", "env_statement", "means", "means_windows", "rescale_said", "coincidence_said",
-                 "unreached", "own_mean")
+                 "unreached", "own_mean", "to_loss")
 
     def __init__(self):
         self.run = None  # trainer.state of the run the facts below were read in (a new one at every train())
@@ -128,6 +128,9 @@ class Known:
         self.coincidence_said = None  # the coincidence warning (zerofix.decision), held the same way
         self.unreached = None  # the head zerofix handed the count to whose loss did not take it (its own mean)
         self.own_mean = None  # (head, proven): whether its inline mean was proven at its last micro-batch (own_mean)
+        # issue 69: a model the Trainer hands the count whose forward calls its loss function without it (VipLlava on
+        # 4.57 - 5.x): None until a step shows it (or not), True while zerofix hands it there, False otherwise
+        self.to_loss = None
 
 
 _known = WeakIdentityMap()  # trainer -> Known (by identity: a trainer need not hash)
@@ -142,7 +145,7 @@ def known(trainer) -> Known:
 
 class TrainerStep:
     __slots__ = ("trainer", "state", "num_items", "watching", "base_ran", "handled", "aux", "accounted", "call",
-                 "plan", "handed", "redo")
+                 "plan", "handed", "redo", "to_loss", "counter", "changed")
 
     def __init__(self, trainer, num_items, watching, state=None):
         self.trainer, self.num_items, self.watching = trainer, num_items, watching
@@ -154,6 +157,9 @@ class TrainerStep:
         self.call = self.plan = None  # this step's scaling.Call and Plan, once backward has them
         self.handed = False  # zerofix had the Trainer hand the model the count (count_never_handed)
         self.redo = False  # a handed step whose loss is not divided by the count: run again as the Trainer runs it
+        self.to_loss = False  # CountToLoss armed for a count the Trainer itself hands the model (issue 69)
+        self.counter = None  # this step's CountToLoss
+        self.changed = False  # the count zerofix handed changed this backward (counted once with the plan's change)
 
 
 _release = None
@@ -216,7 +222,7 @@ def _new_run(trainer, state: Known, model) -> None:
     state.run, state.stated, state.plans, state.warned = run, None, {}, set()
     state.details, state.counted, state.env_statement = None, False, envvalues.loss_statement()
     state.means, state.means_windows, state.rescale_said, state.coincidence_said = [], 0, None, None
-    state.unreached = state.own_mean = None
+    state.unreached = state.own_mean = state.to_loss = None
     state.path = paths.trainer_path(trainer)
     state.compiled = _compiled(trainer, model)
     _say_local_batch_loss(trainer)
@@ -228,9 +234,7 @@ def _new_run(trainer, state: Known, model) -> None:
     if state.handing:
         _details_of(trainer)["count_handed"] = state.handing
         # said at INFO: whether anything changes is known only once the first loss is measured (_check_handed)
-        whose = (f"{state.handing} says accepts_loss_kwargs = False" if _flagged_class(trainer, model) else
-                 f"{type(trainer).__name__} set model_accepts_loss_kwargs = False for {state.handing} and "
-                 f"{envvalues.HAND_COUNT}=1 says that is not your word")
+        whose = _whose_flag(trainer, model, state.handing)
         _log.info("zerofix: %s, so the Trainer neither counts nor passes num_items_in_batch; zerofix has the Trainer "
                   "count and pass it, and keeps it only for steps whose loss is divided by it (a step whose loss is not "
                   "runs again as the Trainer runs it)", whose)
@@ -241,6 +245,42 @@ def _new_run(trainer, state: Known, model) -> None:
                    "(transformers >= 5.24's does), so each micro-batch's loss is its own token mean and the update is "
                    "a mean of micro-batch means (uneven label counts weigh micro-batches unequally); zerofix leaves it "
                    "as the Trainer computes it", name)
+
+
+def _whose_flag(trainer, model, name: str) -> str:
+    """Why the Trainer withholds the count from the head zerofix hands it to, in words (the run's INFO line); a
+    framework's flag (issue 67) is also kept in the run's details for its entry's line in the Trainer log."""
+    if _flagged_class(trainer, model):
+        return f"{name} says accepts_loss_kwargs = False"
+    flag = framework_flags.of(trainer)
+    if not envvalues.hand_count_statement() and flag is not None:
+        from zerofix import catalogue
+
+        fix = catalogue.by_id(flag.fix_id)
+        details = _details_of(trainer)
+        details["framework_flag"], details["framework_setter"] = flag.fix_id, flag.setter
+        fixed = f", fixed in {fix.fixed_in}" if fix.fixed_in else ""
+        return (f"{flag.setter} ({flag.release}) set model_accepts_loss_kwargs = False for {name}, a known bug of "
+                f"{fix.dist} {fix.affected} ({flag.fix_id}{fixed}: {', '.join(fix.upstream)}), not your word")
+    return (f"{type(trainer).__name__} set model_accepts_loss_kwargs = False for {name} and "
+            f"{envvalues.HAND_COUNT}=1 says that is not your word")
+
+
+def framework_flag_line(details: dict) -> str | None:
+    """What the Trainer entry did for a framework's flag (issue 67) in one run, from its details (``run_details``):
+    the entry's line in the Trainer log, or None where no framework flag was handed in that run."""
+    if not details or not details.get("framework_flag"):
+        return None
+    handed, kept = details.get("steps_handed", 0), details.get("corrected", 0)
+    said = f"{details['framework_setter']} set model_accepts_loss_kwargs = False"
+    if not handed:
+        return None
+    stopped = details.get("count_handed", "")
+    if " stopped at " in stopped:
+        return (f"{said}; zerofix had the Trainer hand the model num_items_in_batch, and {stopped} (the framework's "
+                "setting is then followed, as upstream runs it)")
+    return (f"{said}; zerofix has the Trainer hand the model num_items_in_batch, and its loss was divided by it in "
+            f"{kept} of {handed} backwards so far (the window's token mean, as the framework's fixed release trains)")
 
 
 def _say_local_batch_loss(trainer) -> None:
@@ -275,9 +315,12 @@ def count_never_handed(trainer, model) -> str | None:
     if getattr(trainer, "loss_is_scaled_for_ga", None) is not None or _user_statement(known(trainer)) is not None:
         return None
     flagged = _flagged_class(trainer, model)
-    if flagged is None and envvalues.hand_count_statement() and _count_withheld_by_trainer(trainer, model):
-        # issue 60: the user's word (ZEROFIX_HAND_COUNT_TO_MODEL=1) that the trainer's own flag (axolotl 0.19's) is not
-        # theirs: handed and checked at every step exactly as a flagged head's count
+    if flagged is None and _count_withheld_by_trainer(trainer, model) and (
+            envvalues.hand_count_statement()
+            or decision.framework_word(framework_flags.of(trainer)) == decision.FRAMEWORK_BUG):
+        # the user's word (ZEROFIX_HAND_COUNT_TO_MODEL=1, issue 60), or a framework entry's record that the framework's
+        # own code set the trainer's flag on a release with that bug (issue 67): handed and checked at every step exactly
+        # as a flagged head's count
         return type(_unwrap_peft(_unwrapped(trainer, model))).__name__
     return flagged
 
@@ -345,6 +388,7 @@ class CountToLoss:
 
     def __init__(self, model, proven=None, called=None):
         self.model, self.kept, self.hooks, self.proven = model, None, (), proven
+        self.injected = False  # a loss function was called with the count it was called without
         # the module whose call carries the count: a PeftModel around the model (PEFT's tuner calls the model's
         # ``forward`` directly, so hooks on the model itself would never run), else the model
         self.called = called if called is not None else model
@@ -370,7 +414,9 @@ class CountToLoss:
                 if position is not None and position < len(args):
                     if args[position] is not None:
                         return original(*args, **kwargs)
+                    self.injected = True
                     return original(*args[:position], count, *args[position + 1:], **kwargs)
+                self.injected = True
                 return original(*args, **{**kwargs, "num_items_in_batch": count})
 
             self.kept = (vars(model).get("_loss_function"), "_loss_function" in vars(model))
@@ -471,22 +517,30 @@ def training_step(wrapped, trainer, args, kwargs):
             num_items_watch.as_tensor_like_release(num_items)))
     step = accelerator.__dict__[_STEP] = TrainerStep(trainer, num_items, watching, state)
     step.handed = bool(state.handing) and num_items is not None
+    # issue 69: the count the Trainer hands the model reaches the loss function its forward calls without it, checked
+    # the same way; armed until a step shows that the forward passes the count itself (then not again this run)
+    step.to_loss = not step.handed and watching and state.to_loss is not False
     model = plain[0][0] if plain[0] else plain[1].get("model")
-    before = replay.Point(model) if step.handed else None
+    armed = step.handed or step.to_loss
+    before = replay.Point(model) if armed else None
     try:
-        outer = _unwrapped(trainer, model) if step.handed else None
-        with _Handing(trainer, step.handed), CountToLoss(_unwrap_peft(outer) if step.handed else None,
-                                                         proven=_own_mean_said(step) if step.handed else None,
-                                                         called=outer):
+        outer = _unwrapped(trainer, model) if armed else None
+        step.counter = CountToLoss(_unwrap_peft(outer) if armed else None,
+                                   proven=_own_mean_said(step) if step.handed else None, called=outer)
+        with _Handing(trainer, step.handed), step.counter:
             result = num_items_watch.unwatched(wrapped(*args, **kwargs))  # the Trainer's running loss stays plain
     finally:
         accelerator.__dict__.pop(_STEP, None)
         if watching:
             num_items_watch.close()  # whatever the step kept (a buffer, a running sum, a copy) is plain again
+    if step.to_loss and not step.counter.injected and state.to_loss is None:
+        state.to_loss = False  # its forward hands its loss function the count itself: nothing to hand this run
     if not step.redo:
         return result
     before.restore()  # the step as the Trainer runs it, from where the handed one started
-    return training_step(wrapped, trainer, *_with_num_items(*plain, None))
+    if step.handed:
+        return training_step(wrapped, trainer, *_with_num_items(*plain, None))
+    return training_step(wrapped, trainer, *plain)  # with the count, no longer handed to the loss function
 
 
 def _compiled(trainer, model) -> bool:
@@ -660,7 +714,7 @@ def _check_handed(step: TrainerStep, verdict, details) -> None:
     state = step.state
     details["steps_handed"] = details.get("steps_handed", 0) + 1
     if verdict is not None and verdict.state == num_items_watch.DIVIDED:
-        details["corrected"] += 1  # this backward differs from upstream's: its loss was divided by the handed count
+        step.changed = True  # this backward differs from upstream's: its loss was divided by the handed count
         return
     name, state.handing, state.plans, state.stated = state.handing, None, {}, None
     step.redo = True
@@ -685,6 +739,32 @@ def _check_handed(step: TrainerStep, verdict, details) -> None:
                "zerofix.loss_is_scaled_for_ga(trainer) or ZEROFIX_LOSS_IS_SCALED_FOR_GA=1", name, at,
                verdict.route if verdict is not None else "not measured",
                "" if at == 1 else f"; steps 1-{at - 1} were divided by the count, the token mean")
+
+
+def _check_to_loss(step: TrainerStep, verdict, details) -> None:
+    """A step whose forward got the Trainer's count but called its loss function without it, handed it by zerofix
+    (issue 69: VipLlava on transformers 4.57 - 5.x): kept where the loss is divided by it, said once at INFO; otherwise
+    the step runs again as the Trainer runs it and nothing more is handed this run."""
+    state = step.state
+    name = type(step.counter.model).__name__
+    if verdict is not None and verdict.state == num_items_watch.DIVIDED:
+        step.changed = True
+        if state.to_loss is None:
+            state.to_loss = True
+            details["count_to_loss"] = name
+            if step.trainer.accelerator.is_main_process:
+                _log.info("zerofix: %s's forward takes num_items_in_batch and calls its loss function without it, so each "
+                          "micro-batch would take its own token mean: zerofix hands that loss function the count and "
+                          "keeps it only for steps whose loss is divided by it (a step whose loss is not runs again as "
+                          "the Trainer runs it)", name)
+        return
+    state.to_loss, state.plans, step.redo = False, {}, True
+    at = getattr(getattr(step.trainer, "state", None), "global_step", 0) + 1
+    details["count_to_loss"] = (f"{name}: stopped at optimizer step {at}, the loss is not divided by the count its "
+                                "loss function was handed; that micro-batch ran again without it")
+    _log.info("zerofix: %s's loss function was handed num_items_in_batch at optimizer step %d and the loss is not "
+              "divided by it (%s): that micro-batch ran again as the Trainer runs it, and nothing more is handed",
+              name, at, verdict.state if verdict is not None else num_items_watch.UNKNOWN)
 
 
 def _details_of(trainer) -> dict:
@@ -789,8 +869,10 @@ def backward(wrapped, accelerator, args, kwargs):
     details = _record_verdict(step, verdict)
     if step.handed:
         _check_handed(step, verdict, details)
-        if step.redo:  # no backward of a loss the handed count changed: training_step runs the micro-batch again
-            return None  # (and the run again, no longer handed, is what the micro-batch-mean reading reads)
+    elif step.to_loss and step.counter is not None and step.counter.injected:
+        _check_to_loss(step, verdict, details)
+    if step.redo:  # no backward of a loss the handed count changed: training_step runs the micro-batch again
+        return None  # (and the run again, no longer handed, is what the micro-batch-mean reading reads)
     decided = _decide(accelerator, step, verdict, loss, kwargs)
     step.call, step.plan = decided.call, decided.plan
     plan = decided.plan
@@ -802,8 +884,9 @@ def backward(wrapped, accelerator, args, kwargs):
         _warn_rescaled(step, step.call, plan)
     if step.state.means is not None:  # after the plan: what the reading says depends on what this run does
         _read_micro_means(step, verdict, loss)
-    if plan.changes:
+    if plan.changes or step.changed:  # once a backward, whatever changed it
         details["corrected"] += 1
+    if plan.changes:
         if plan.multiply_by != 1:
             loss = loss * plan.multiply_by
         if plan.divide_by != 1:
@@ -873,9 +956,14 @@ def _read_micro_means(step: TrainerStep, verdict, loss) -> None:
                 + (", and zerofix could not prove that mean from the logits it returns (the only mean it weighs)"
                    if state.own_mean == (state.unreached, False) else "") + ") " + said)
     if withheld:
-        said = (f"(the Trainer hands the model no num_items_in_batch: {type(trainer).__name__} set "
-                "model_accepts_loss_kwargs = False where the model's forward takes **kwargs, so the Trainer divides "
-                "each micro-batch's loss by gradient_accumulation_steps instead; zerofix follows that setting) " + said)
+        flag = framework_flags.of(trainer)
+        who = (f"{flag.setter} ({flag.release}) set model_accepts_loss_kwargs = False (a known bug of its releases: "
+               f"{flag.fix_id}) and {flag.around} runs around it, so the setting may also be yours"
+               if decision.framework_word(flag) == decision.UNCLEAR else
+               f"{type(trainer).__name__} set model_accepts_loss_kwargs = False")
+        said = (f"(the Trainer hands the model no num_items_in_batch: {who} where the model's forward takes **kwargs, "
+                "so the Trainer divides each micro-batch's loss by gradient_accumulation_steps instead; zerofix follows "
+                "that setting) " + said)
     details = _details_of(trainer)
     details["micro_batch_mean"] = said
     _note(details, "micro-batch mean term: mean of micro-batch means")
@@ -978,11 +1066,11 @@ def _last_scalings(loss, depth: int = 2) -> tuple:
     while node is not None and len(found) < depth:
         kind = type(node).__name__
         if kind.startswith("DivBackward"):
-            value, invert = _constant(getattr(node, "_saved_other", None)), True
+            value, invert = num_items_watch.constant_value(getattr(node, "_saved_other", None)), True
         elif kind.startswith("MulBackward"):
-            value = _constant(getattr(node, "_saved_other", None))
+            value = num_items_watch.constant_value(getattr(node, "_saved_other", None))
             if value is None:
-                value = _constant(getattr(node, "_saved_self", None))
+                value = num_items_watch.constant_value(getattr(node, "_saved_self", None))
             invert = False
         else:
             break
@@ -992,15 +1080,6 @@ def _last_scalings(loss, depth: int = 2) -> tuple:
         inputs = [n for n, _ in node.next_functions if n is not None]
         node = inputs[0] if len(inputs) == 1 else None  # a constant operand has no node: one input left
     return tuple(found)
-
-
-def _constant(value):
-    """A Python number, or the value of a one-element tensor without a gradient; None otherwise."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.requires_grad:
-            return None
-        value = value.item()
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _decide(accelerator, step: TrainerStep, verdict, loss, kwargs) -> decision.Decision:

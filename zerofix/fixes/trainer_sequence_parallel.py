@@ -162,6 +162,8 @@ def compute_loss(wrapped, trainer, args, kwargs):
     training = getattr(model, "training", False)
     if training and getattr(trainer, "compute_loss_func", None) is not None and sp_config(trainer) is not None:
         _say_loss_func_dropped(trainer)
+    if training and getattr(trainer, "label_smoother", None) is not None and sp_config(trainer) is not None:
+        _say_smoothing_dropped(trainer)
     run = _open_run(trainer)
     if run is None or not training:
         return wrapped(*args, **kwargs)
@@ -186,6 +188,22 @@ def _say_loss_func_dropped(trainer) -> None:
                "deepspeed_sp_compute_loss trains the model's own loss instead (upstream drops the function silently); "
                "%s, and your function still is not called",
                "zerofix trains that model loss at the window's token mean" if run.path.covered else
+               f"zerofix stands aside on this run ({run.path})")
+
+
+def _say_smoothing_dropped(trainer) -> None:
+    """Once a run, on every SP path (issue 69, item 4): upstream's SP branch computes the model's own loss on each shard
+    and never calls the Trainer's label smoother, so ``label_smoothing_factor`` has no effect there; zerofix trains the
+    same unsmoothed loss (at the window's token mean where it models the path) and says so."""
+    run = _run_of(trainer)
+    if run is None or "label_smoother" in run.said:
+        return
+    run.said.add("label_smoother")
+    factor = getattr(getattr(trainer, "args", None), "label_smoothing_factor", None)
+    _warn_main(trainer, "zerofix: label_smoothing_factor=%s is not applied under DeepSpeed sequence parallelism: "
+               "transformers' deepspeed_sp_compute_loss trains the model's own unsmoothed loss on each shard (upstream "
+               "drops the smoothing silently); %s. For smoothed labels, train without sequence parallelism",
+               factor, "zerofix trains that unsmoothed loss at the window's token mean" if run.path.covered else
                f"zerofix stands aside on this run ({run.path})")
 
 

@@ -46,10 +46,10 @@ IDIOM_ROWS = ("sum-from-zero", "python-sum", "new-zeros-sum", "plus-eps", "maxim
 STATED_ROWS = ("zeros-like-mean", "steps-divided-mean", "times-steps", "count-over-steps", "plus-z-loss")
 # Issue 58's coincidences, a value equal to GAS that is not a statement: through a compute_loss_func (the Trainer
 # multiplies its loss by the processes afterwards) the token mean / GAS (ms-swift's RLHF form), 4.0 * (s / n) (a loss
-# weight), s / n / GAS (a double division); a compute_loss override returning the average of four micro-batch-mean
+# weight; also as (s / n) * torch.tensor(4.0), issue 69), s / n / GAS (a double division); a compute_loss override returning the average of four micro-batch-mean
 # terms, (a + b + c + d) / 4 (at GAS 4); and the model's own loss divided by GAS (a double division).
-COINCIDENCE_ROWS = ("func-steps-divided-mean", "func-weighted-sum", "func-steps-divided-sum", "four-term-mean",
-                    "count-and-steps-divided")
+COINCIDENCE_ROWS = ("func-steps-divided-mean", "func-weighted-sum", "func-tensor-weighted-sum", "func-steps-divided-sum",
+                    "four-term-mean", "count-and-steps-divided")
 USER_LOSSES = (("logged-count", "deepcopy-count", "hand-divided", "hand-divided-stated", "late-count") + COUNT_ROWS
                + IDIOM_ROWS + STATED_ROWS + COINCIDENCE_ROWS)
 
@@ -393,6 +393,8 @@ def train(args, variant: str, out: Path, world: int, rank: int) -> None:
         total = models.next_token_ce(outputs.logits, labels, "sum")
         if args.loss == "func-weighted-sum":
             return float(steps) * (total / num_items_in_batch)
+        if args.loss == "func-tensor-weighted-sum":  # the same weight as a 0-d tensor (issue 69)
+            return (total / num_items_in_batch) * torch.tensor(float(steps))
         return total / num_items_in_batch / steps
 
     training_args = TrainingArguments(
