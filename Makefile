@@ -62,7 +62,7 @@ venv: $(call venv,$(STACK))
 
 ## The environment and DeepSpeed's CPU op (JIT-built by a stack's first run otherwise: about 30 s of both cores).
 warm: $(call venv,$(STACK))
-	.venvs/$(STACK)/bin/python -m zerofix.check.prebuild
+	.venvs/$(STACK)/bin/python -m zerofix.check.host.prebuild
 
 ## The main job: `zerofix check` on the pinned stack (every scenario unpatched and patched against the
 ## single-process reference). Exit 1 means a scenario is WRONG or failed; the table says which and why.

@@ -29,7 +29,7 @@ import timeit
 import torch
 import torch.distributed as dist
 
-from zerofix.check import collectives  # noqa: E402 - imports no DeepSpeed
+from zerofix.check.host import collectives  # noqa: E402 - imports no DeepSpeed
 
 # Count collectives at the torch level, installed before DeepSpeed caches any of these functions.
 calls: collections.Counter = collections.Counter()
@@ -395,7 +395,7 @@ def main() -> None:
         if len(sys.argv) > 1:
             with open(sys.argv[1], "w") as f:
                 json.dump(report, f, indent=1)
-    from zerofix.check.scenarios import finish
+    from zerofix.check.rank import finish
 
     finish()
 

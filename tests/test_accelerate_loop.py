@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import uses
-from zerofix.check import launch, parity
+from zerofix.check import builders, launch
 
 EXACT = 1e-6
 GROUPS = [(None, 1), (None, 2), (2, 1), (2, 2), (3, 1), (3, 2)]
@@ -57,9 +57,9 @@ def loop_requests(stack, stage, nproc):
     if skipped_for_time(stack, stage, nproc):
         return []
     if crashes_unpatched(stack, stage, nproc):
-        return [parity.accelerate_request(cells(nproc)[:1], nproc=nproc, zero_stage=stage, zerofix="off", late=True),
-                parity.accelerate_request(cells(nproc), nproc=nproc, zero_stage=stage, zerofix="on")]
-    return [parity.accelerate_request(cells(nproc), nproc=nproc, zero_stage=stage)]
+        return [builders.accelerate_request(cells(nproc)[:1], nproc=nproc, zero_stage=stage, zerofix="off", late=True),
+                builders.accelerate_request(cells(nproc), nproc=nproc, zero_stage=stage, zerofix="on")]
+    return [builders.accelerate_request(cells(nproc), nproc=nproc, zero_stage=stage)]
 
 
 @pytest.mark.stack(*ALL_STACKS)
@@ -118,7 +118,7 @@ TWO_EPOCHS = {"name": "custom-gas3-2epochs", "model": "custom", "gas": 3, "sampl
 
 
 def two_epochs_request():
-    return [parity.accelerate_request([TWO_EPOCHS], nproc=2, zero_stage=2, opt_in=[SHORT])]
+    return [builders.accelerate_request([TWO_EPOCHS], nproc=2, zero_stage=2, opt_in=[SHORT])]
 
 
 @pytest.mark.stack("latest", "2024-11")

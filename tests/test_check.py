@@ -507,7 +507,7 @@ def test_a_lock_left_by_an_interrupted_build_is_cleared_or_named(tmp_path):
     one (a build may be running) is named with the command that removes it; the pre-flight says which."""
     import os as _os
 
-    from zerofix.check import jitlock
+    from zerofix.check.host import jitlock
 
     old, young = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "cpu_adam" / "lock"
     for lock in (old, young):

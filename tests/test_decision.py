@@ -28,7 +28,7 @@ def engine(version, base_ran=True):
 
 def update(version, f, evidence, base_ran=True) -> tuple[decision.Decision, Fraction]:
     decided = decision.decide(version, f, evidence, engine(version, base_ran))
-    return decided, decision.update_factor(decided.call, decided.plan)
+    return decided, scaling.applied_factor(decided.call, decided.plan, against=scaling.UPSTREAM)
 
 
 @pytest.mark.parametrize("version", [NEWEST, DOUBLE])
@@ -54,7 +54,7 @@ def test_a_loss_weight_equal_to_the_steps_is_not_a_hand_fix(processes):
     evidence = Evidence("divided", factor=Fraction(GAS * processes))
     decided, factor = update(NEWEST, facts(func=True, processes=processes), evidence)
     assert decided.coincidence == CARRIES_STEPS and decided.held and factor == 1
-    assert decision.update_factor(decided.call, decided.as_read) == Fraction(1, GAS)
+    assert scaling.applied_factor(decided.call, decided.as_read, against=scaling.UPSTREAM) == Fraction(1, GAS)
 
 
 def test_the_trainers_own_multiplication_is_no_coincidence():
@@ -89,7 +89,7 @@ def test_the_hand_fix_of_a_double_division_on_the_release_that_has_it_stays_righ
     division (GAS x): held, upstream's update."""
     decided, factor = update(DOUBLE, facts(), Evidence("divided", factor=Fraction(GAS)))
     assert decided.coincidence == CARRIES_STEPS and decided.held and factor == 1
-    assert decision.update_factor(decided.call, decided.measured) == GAS
+    assert scaling.applied_factor(decided.call, decided.measured, against=scaling.UPSTREAM) == GAS
 
 
 @pytest.mark.parametrize("statement", [True, False])
@@ -123,7 +123,7 @@ def test_the_warning_names_both_readings_and_the_statement(found, version):
     decided, _ = update(version, facts(func=True), evidence)
     said = decision.coincidence_message(decided, GAS)
     assert "coincidence" in said and "the update is the Trainer's own" in said and decision.STATEMENT in said
-    as_read = decision.update_factor(decided.call, decided.as_read)
+    as_read = scaling.applied_factor(decided.call, decided.as_read, against=scaling.UPSTREAM)
     assert ("stays this one" if as_read == 1 else f"becomes {float(as_read):g}x this one") in said
 
 

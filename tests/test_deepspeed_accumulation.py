@@ -19,7 +19,7 @@ import torch
 
 from conftest import detect_stack, uses
 from zerofix import catalogue, versions
-from zerofix.check import accumulation, parity, reference
+from zerofix.check import accumulation, builders, parity, reference
 from zerofix.check.accumulation import CARRIED, CORRECT, ERROR, LOST, NOOP, SPLIT, UNAVERAGED, WRONG
 
 FIX = "deepspeed-manual-accumulation"
@@ -51,7 +51,7 @@ CELLS = list(dict.fromkeys(MATRIX + accumulation.extra_cells() + TRANSPARENT + T
 pytestmark = [pytest.mark.distributed, pytest.mark.stack(*STACKS)]
 
 
-MATRIX = parity.ds_request(CELLS, nproc=2)
+MATRIX = builders.ds_request(CELLS, nproc=2)
 
 
 def matrix():
@@ -314,7 +314,7 @@ def test_zero_grad_between_backwards_discards_what_came_before_it(runs, stage):
 
 
 def trainer_request(stage):
-    return [parity.trainer_gas_request(model="causal-lm", nproc=2, gas=8, extra_args=("--zero-stage", str(stage)))]
+    return [builders.trainer_gas_request(model="causal-lm", nproc=2, gas=8, extra_args=("--zero-stage", str(stage)))]
 
 
 @pytest.mark.stack("latest", "2026-04")
@@ -342,7 +342,7 @@ SMOKE_MANUAL = accumulation.Cell(2, 1, "a")
 
 
 def smoke():
-    return [parity.ds_request([SMOKE_MANUAL, SMOKE_OWN, *SMOKE_READ, *SMOKE_COALESCE], nproc=2)]
+    return [builders.ds_request([SMOKE_MANUAL, SMOKE_OWN, *SMOKE_READ, *SMOKE_COALESCE], nproc=2)]
 
 
 @pytest.mark.smoke(subset_of_matrix=True)
@@ -369,7 +369,7 @@ REPATCHED = [accumulation.Cell(1, 1, "a"), accumulation.Cell(2, 1, "a"), accumul
 
 
 def repatched():
-    return [parity.ds_request(REPATCHED, variants=("repatched",))]
+    return [builders.ds_request(REPATCHED, variants=("repatched",))]
 
 
 @uses(repatched)
@@ -393,7 +393,7 @@ def test_environment_activation_reaches_every_rank_and_logs_once_per_engine(tmp_
     """ZEROFIX=1 ZEROFIX_LOG=info, a script that never calls patch(): both ranks fixed, one line each."""
     version = metadata.version("deepspeed")
     cells = [accumulation.Cell(2, 1, "a"), accumulation.Cell(1, 4, "d")]
-    runs = parity.ds_accumulation(tmp_path, cells, variants=("env",),
+    runs = builders.ds_accumulation(tmp_path, cells, variants=("env",),
                                   env={"ZEROFIX": "1", "ZEROFIX_LOG": "info"})
     for cell in cells:
         result = runs["env"][cell.name]
@@ -438,7 +438,7 @@ def test_the_flush_communicates_exactly_what_a_boundary_backward_does(tmp_path):
 MID_WINDOW_CHECKPOINT = """
 import sys, torch, deepspeed, zerofix
 from zerofix.check import accumulation, models, reference
-from zerofix.check.scenarios import finish
+from zerofix.check.rank import finish
 from zerofix.check.scenarios.ds_accumulation import ds_config
 deepspeed.init_distributed(dist_backend="gloo")
 zerofix.patch(fixes={fixes!r})

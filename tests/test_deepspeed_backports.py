@@ -16,7 +16,7 @@ import pytest
 
 from conftest import run_python, uses
 from zerofix import catalogue, versions
-from zerofix.check import parity
+from zerofix.check import builders
 
 ACCUMULATOR = "deepspeed-zero12-accumulator"
 OFFLOAD = "deepspeed-offload-accumulator"
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.distributed
 
 
 def trainer_request(stage, model, nproc, also_last=False):
-    return [parity.trainer_gas_request(model=model, nproc=nproc, gas=8, extra_args=("--zero-stage", str(stage)),
+    return [builders.trainer_gas_request(model=model, nproc=nproc, gas=8, extra_args=("--zero-stage", str(stage)),
                                        also_last=also_last)]
 
 

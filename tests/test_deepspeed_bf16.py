@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import detect_stack, uses
-from zerofix.check import parity
+from zerofix.check import builders
 
 FIX = "deepspeed-bf16-boundary-reduction"
 STACK = detect_stack()
@@ -37,10 +37,10 @@ ACC32_STACKS = ("latest", "2026-04", "2025-12")
 ZERO0_STACKS = ("latest", "2025-12", "2025-10")
 pytestmark = [pytest.mark.distributed, pytest.mark.stack(*dict.fromkeys(ACC32_STACKS + ZERO0_STACKS))]
 
-REQUEST = parity.trainer_request(CELLS, nproc=2, zero_stage=1, ds_config=CONFIG, name="trainer-bf16")
+REQUEST = builders.trainer_request(CELLS, nproc=2, zero_stage=1, ds_config=CONFIG, name="trainer-bf16")
 ZERO0_CONFIG = {key: value for key, value in CONFIG.items() if key != "data_types"} | {"zero_optimization": {"stage": 0}}
 ZERO0_CELLS = [{**cell, "samples": 32} for cell in CELLS]  # two windows: 2 x GAS x 2 samples x 2 ranks
-ZERO0 = parity.trainer_request(ZERO0_CELLS, nproc=2, zero_stage=0, ds_config=ZERO0_CONFIG, name="trainer-bf16-zero0")
+ZERO0 = builders.trainer_request(ZERO0_CELLS, nproc=2, zero_stage=0, ds_config=ZERO0_CONFIG, name="trainer-bf16-zero0")
 # Trainer, ZeRO-0 bf16, GAS=4, two windows: the worst window's relative error, what 0.19.8 reaches (measured; the
 # patched 0.18.0 and 0.18.3 reach the same)
 RIGHT_ZERO0 = {"causal-lm": 0.00984, "custom": 0.00720}

@@ -144,7 +144,7 @@ def test_the_trainer_on_deepspeed_ulysses_trains_the_token_mean_on_nccl(tmp_path
     cells = [{"zero": 2, "gas": 2}, {"zero": 3, "gas": 2}]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZEROFIX", "_ZEROFIX"))}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "zerofix.check.sequence_parallel", "--backend", "nccl", "--out", str(tmp_path),
+                           "-m", "zerofix.check.scenarios.sequence_parallel", "--backend", "nccl", "--out", str(tmp_path),
                            "--cells", json.dumps(cells)], env=env, capture_output=True, text=True, timeout=600)
     assert (tmp_path / "result.jsonl").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "result.jsonl").read_text().splitlines()]

@@ -178,8 +178,8 @@ def test_the_gpu_gemm_path_on_cpu(monkeypatch, dtype):
         calls.append((a.dtype, b.dtype))
         return a.float() @ b.float()
 
-    monkeypatch.setattr(losses, "lowp_gemm", lambda tensor, acc: tensor.dtype == dtype and acc == torch.float32)
-    monkeypatch.setattr(losses, "mm_f32", emulated)
+    monkeypatch.setattr(losses.gemm, "lowp_gemm", lambda tensor, acc: tensor.dtype == dtype and acc == torch.float32)
+    monkeypatch.setattr(losses.gemm, "mm_f32", emulated)
     h64, w64, b64, labels = make(bias=True)
     hq, wq, bq = (t.detach().to(dtype).double().requires_grad_() for t in (h64, w64, b64))
     kw = dict(reduction="none", label_smoothing=0.1, z_loss=1e-3)
@@ -200,7 +200,7 @@ def test_the_cpu_path_keeps_float32_gemms():
     from zerofix import losses
 
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        assert not losses.lowp_gemm(torch.zeros(1, dtype=dtype), torch.float32)
+        assert not losses.gemm.lowp_gemm(torch.zeros(1, dtype=dtype), torch.float32)
 
 
 def test_stats_match_the_full_logits():
@@ -228,7 +228,7 @@ def test_an_in_place_accumulation_is_used_only_where_it_measures_right(monkeypat
     from zerofix import losses
 
     cpu = torch.device("cpu")
-    assert losses._addmm_adds_in_place(cpu, torch.bfloat16) is False  # CPU has no out_dtype kernel
+    assert losses.gemm.addmm_adds_in_place(cpu, torch.bfloat16) is False  # CPU has no out_dtype kernel
     real = torch.addmm
 
     def overwrites(acc, a, b, *, out_dtype, out):
@@ -238,15 +238,15 @@ def test_an_in_place_accumulation_is_used_only_where_it_measures_right(monkeypat
         out.add_(a.float() @ b.float())
 
     monkeypatch.setattr(torch, "addmm", overwrites)
-    assert losses._addmm_adds_in_place(cpu, torch.bfloat16) is False
+    assert losses.gemm.addmm_adds_in_place(cpu, torch.bfloat16) is False
     monkeypatch.setattr(torch, "addmm", adds)
-    assert losses._addmm_adds_in_place(cpu, torch.bfloat16) is True
+    assert losses.gemm.addmm_adds_in_place(cpu, torch.bfloat16) is True
     monkeypatch.setattr(torch, "addmm", real)
-    monkeypatch.setattr(losses, "_ADDMM_IN_PLACE", {("cpu", torch.bfloat16): False})
-    monkeypatch.setattr(losses, "mm_f32", lambda a, b: a.float() @ b.float())
+    monkeypatch.setattr(losses.gemm, "ADDMM_IN_PLACE", {("cpu", torch.bfloat16): False})
+    monkeypatch.setattr(losses.gemm, "mm_f32", lambda a, b: a.float() @ b.float())
     acc, a, b = torch.ones(4, 3), torch.randn(4, 5).bfloat16(), torch.randn(5, 3).bfloat16()
     want = acc + a.float() @ b.float()
-    losses.add_mm_f32_(acc, a, b)
+    losses.gemm.add_mm_f32_(acc, a, b)
     assert torch.equal(acc, want)
 
 
@@ -306,7 +306,7 @@ def test_the_path_without_in_place_softmax_matches_too(monkeypatch, options):
 
     h64, w64, b64, labels = make(bias=True)
     ref, ref_grads = grads_of(reference, h64, w64, b64, labels, **options)
-    monkeypatch.setattr(losses, "_INPLACE_SOFTMAX_DEVICES", ())
+    monkeypatch.setattr(losses.chunked, "_INPLACE_SOFTMAX_DEVICES", ())
     out, got = grads_of(chunked_cross_entropy, *make(bias=True), chunk_size=7, **options)
     assert rel(out, ref) < 1e-12 and all(rel(g, r) < 1e-12 for g, r in zip(got, ref_grads, strict=True))
 

@@ -173,7 +173,7 @@ if RANK == 0:
     print("RESULT" + json.dumps({"records": records, "details": trainer_scaling.runtime_details(), "rel": rel},
                                 default=str))
 if WORLD > 1:  # barrier, leave the group, no interpreter teardown: gloo's threads otherwise sometimes abort on the
-    from zerofix.check.scenarios import finish  # way out (rank 1 SIGABRT in one CI run, after the result was printed)
+    from zerofix.check.rank import finish  # way out (rank 1 SIGABRT in one CI run, after the result was printed)
 
     finish()
 """

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import uses
 from test_trainer_scaling import EXACT
-from zerofix.check import parity
+from zerofix.check import builders
 
 pytestmark = pytest.mark.distributed
 ENTRY = "transformers-moe-aux-loss"
@@ -58,7 +58,7 @@ def moe_requests(stack, stage, nproc):
     if stage in (3, "fsdp2-bf16") and stack not in COPIED_OUTPUT_STACKS:
         return []
     fsdp = {"fsdp": 2} if stage == "fsdp2-bf16" else {"zero_stage": stage}
-    return [parity.trainer_request([cell(stack, stage, nproc)], nproc=nproc, name="trainer-moe", **fsdp)]
+    return [builders.trainer_request([cell(stack, stage, nproc)], nproc=nproc, name="trainer-moe", **fsdp)]
 
 
 @pytest.mark.stack(*STACKS)

@@ -304,7 +304,7 @@ def test_the_watched_count_copies_pickles_and_saves_as_a_plain_tensor():
 def test_the_algebra_by_itself():
     from fractions import Fraction as F
 
-    from zerofix.num_items_watch import Constant, Mixed, combine
+    from zerofix.count_terms import Constant, Mixed, combine
     one, c = F(1), Constant(None)
     assert combine("__truediv__", [c, one]) == F(-1)
     assert combine("__rtruediv__", [one, c]) == F(-1)

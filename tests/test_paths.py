@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import pathlib
 import re
 import types
 
@@ -103,11 +104,17 @@ def test_every_entry_says_which_paths_it_models_and_checks_them(fix):
     function = re.search(r"paths\.(\w+)", fix.covers).group(1)
     assert callable(getattr(paths, function))
     pytest.importorskip(fix.dist.replace("-", "_"))
-    module = importlib.import_module(fix.implementation)
-    source = inspect.getsource(module)
+    def source_of(name: str) -> str:  # a package's source is every module's in it (the Trainer entry's parts)
+        module = importlib.import_module(name)
+        text = inspect.getsource(module)
+        for part in sorted(pathlib.Path(module.__file__).parent.glob("*.py")) if hasattr(module, "__path__") else ():
+            text += part.read_text()
+        return text
+
+    source = source_of(fix.implementation)
     # an entry riding on another's step (the MoE entry on the Trainer's) checks the path through it
     for name in re.findall(r"from zerofix\.fixes import (\w+)", source):
-        source += inspect.getsource(importlib.import_module(f"zerofix.fixes.{name}"))
+        source += source_of(f"zerofix.fixes.{name}")
     assert f"paths.{function}(" in source, fix.id
 
 

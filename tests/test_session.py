@@ -56,7 +56,7 @@ def test_stale_deepspeed_segments_are_cleared_and_live_ones_kept(tmp_path, monke
     """A segment nobody maps and older than a minute goes; one a process maps, or one just made, stays."""
     import mmap
 
-    from zerofix.check import shm
+    from zerofix.check.host import shm
 
     monkeypatch.setattr(shm, "DIRECTORY", str(tmp_path))
     stale, young, live = (tmp_path / f"{shm.PREFIX}_0_localhost_{port}_0" for port in (1, 2, 3))
@@ -181,7 +181,7 @@ def test_prebuild_puts_deepspeed_s_cpu_op_where_the_ranks_look_for_it():
     import sys
 
     pytest.importorskip("deepspeed")
-    done = subprocess.run([sys.executable, "-m", "zerofix.check.prebuild"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "zerofix.check.host.prebuild"], capture_output=True, text=True,
                           env=launch.scenario_env(), timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     where = Path(launch.scenario_env()["TORCH_EXTENSIONS_DIR"])

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import uses
 from test_trainer_scaling import EXACT
-from zerofix.check import parity
+from zerofix.check import builders
 
 pytestmark = pytest.mark.distributed
 ENTRY = "transformers-trainer-chunked-loss"
@@ -32,7 +32,7 @@ def cells(group: str) -> list[dict]:
 
 
 def requests(stack, group):
-    return [parity.trainer_request(cells(group), name=f"chunked-loss-{group}", extra_args=("--opt-in", ENTRY),
+    return [builders.trainer_request(cells(group), name=f"chunked-loss-{group}", extra_args=("--opt-in", ENTRY),
                                    **GROUPS[group])]
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import uses
 from test_trainer_scaling import ENTRY, EXACT, head_factor, measured_unpatched
-from zerofix.check import parity
+from zerofix.check import builders
 
 pytestmark = pytest.mark.distributed
 STACKS = ("latest", "2026-04")
@@ -31,8 +31,8 @@ def cells(rows) -> list[dict]:
 
 
 def requests(stack):
-    return [parity.trainer_request(cells(HELD + DOUBLE), nproc=1, name="coincidences-1proc"),
-            parity.trainer_request(cells(TWO_RANKS), nproc=2, name="coincidences-2rank")]
+    return [builders.trainer_request(cells(HELD + DOUBLE), nproc=1, name="coincidences-1proc"),
+            builders.trainer_request(cells(TWO_RANKS), nproc=2, name="coincidences-2rank")]
 
 
 def unpatched_factor(stack: str, name: str, nproc: int) -> float:

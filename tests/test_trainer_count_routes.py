@@ -21,7 +21,7 @@ import pytest
 
 from conftest import uses
 from test_trainer_scaling import ENTRY, EXACT, head_factor, measured_unpatched
-from zerofix.check import parity
+from zerofix.check import builders
 
 pytestmark = pytest.mark.distributed
 STACKS = ("latest", "2026-04")
@@ -39,7 +39,7 @@ def row_cells() -> list[dict]:
 
 
 def rows_requests(stack):
-    return [parity.trainer_request(row_cells(), nproc=1, name="trainer-count-routes")]
+    return [builders.trainer_request(row_cells(), nproc=1, name="trainer-count-routes")]
 
 
 def unpatched_factor(stack: str, name: str) -> float:

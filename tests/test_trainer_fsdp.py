@@ -22,7 +22,7 @@ import pytest
 
 from conftest import uses
 from test_trainer_scaling import ENTRY, EXACT, head_factor, measured_unpatched
-from zerofix.check import parity
+from zerofix.check import builders
 
 pytestmark = pytest.mark.distributed
 FSDP2_STACKS = ("latest", "2026-04", "2025-12", "2025-10")
@@ -45,7 +45,7 @@ TWO_RANKS_ONLY = ("2025-12", "2025-10")
 def fsdp_requests(stack, nproc):
     if stack in TWO_RANKS_ONLY and nproc == 1:
         return []
-    return [parity.trainer_request(fsdp_cells(), nproc=nproc, fsdp=2, name="trainer-fsdp2")]
+    return [builders.trainer_request(fsdp_cells(), nproc=nproc, fsdp=2, name="trainer-fsdp2")]
 
 
 @pytest.mark.stack(*FSDP2_STACKS)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from zerofix.check import parity
+from zerofix.check import builders
 
 FIX = "transformers-trainer-scaling"
 EXACT = 1e-6  # relative error of the update, float32 run vs float64 reference
@@ -31,12 +31,12 @@ ZEROFIX_CLI = [sys.executable, "-m", "zerofix", "run", "--"]
 def test_activation_without_code_changes_reaches_every_rank(tmp_path, how, stack):
     """The scenario in ``env`` mode never calls zerofix.patch(); only the environment activates."""
     kwargs = {"env": {"ZEROFIX": "1"}} if how == "ZEROFIX=1" else {"launcher_prefix": ZEROFIX_CLI}
-    result = parity.trainer_gas(tmp_path, model="causal-lm", nproc=2, zerofix="env", **kwargs)["env"]
+    result = builders.trainer_gas(tmp_path, model="causal-lm", nproc=2, zerofix="env", **kwargs)["env"]
     assert_reference(result, "applied")
 
 
 @pytest.mark.stack("2026-04")
 def test_without_activation_env_mode_shows_the_bug(tmp_path):
-    result = parity.trainer_gas(tmp_path, model="causal-lm", nproc=2, zerofix="env",
+    result = builders.trainer_gas(tmp_path, model="causal-lm", nproc=2, zerofix="env",
                                 env={"ZEROFIX": "0"})["env"]
     assert result["ratio"] == pytest.approx(1 / 8, rel=1e-4)

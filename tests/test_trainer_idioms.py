@@ -25,7 +25,7 @@ import pytest
 
 from conftest import uses
 from test_trainer_scaling import ENTRY, EXACT, head_factor, measured_unpatched
-from zerofix.check import parity
+from zerofix.check import builders
 from zerofix.check.scenarios.trainer_gas import IDIOM_ROWS
 
 pytestmark = pytest.mark.distributed
@@ -56,7 +56,7 @@ def smoothed_cell(stack: str) -> dict:
 
 
 def rows_requests(stack):
-    return [parity.trainer_request(row_cells(stack), nproc=1, name="trainer-idioms")]
+    return [builders.trainer_request(row_cells(stack), nproc=1, name="trainer-idioms")]
 
 
 def unpatched_factor(stack: str, name: str) -> float:

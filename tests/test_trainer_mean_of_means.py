@@ -23,7 +23,7 @@ import pytest
 
 from conftest import uses
 from test_trainer_scaling import ENTRY, EXACT
-from zerofix.check import parity
+from zerofix.check import builders
 
 pytestmark = pytest.mark.distributed
 STACKS = ("latest", "2026-04", "2025-10")
@@ -56,7 +56,7 @@ def cells() -> list[dict]:
 def requests(stack, group):
     if group not in STACK_GROUPS.get(stack, ()):
         return []
-    return [parity.trainer_request(cells(), name=f"mean-of-means-{group}", **GROUPS[group])]
+    return [builders.trainer_request(cells(), name=f"mean-of-means-{group}", **GROUPS[group])]
 
 
 @pytest.mark.stack(*STACKS)

@@ -23,7 +23,7 @@ import importlib.util
 import pytest
 
 from conftest import uses
-from zerofix.check import parity
+from zerofix.check import builders
 
 EXACT = 1e-6  # relative error of an update, float32 run vs float64 reference
 GROUPS = [(None, 1), (None, 2), (2, 1), (2, 2), (3, 1), (3, 2)]
@@ -135,7 +135,7 @@ def skipped_for_time(stack: str, stage, nproc: int) -> bool:
 
 def scaling_requests(stack, stage, nproc):
     return [] if skipped_for_time(stack, stage, nproc) else [
-        parity.trainer_request(cells(nproc, stack), nproc=nproc, zero_stage=stage)]
+        builders.trainer_request(cells(nproc, stack), nproc=nproc, zero_stage=stage)]
 
 
 @pytest.mark.stack(*ALL_STACKS)
@@ -181,7 +181,7 @@ REPATCH_CASES = {"2024-11": [(None, "custom"), (2, "causal-lm")], "2025-01": [(2
 
 
 def repatch_requests(stack):
-    return [parity.trainer_gas_request(model=model, zerofix="repatched",
+    return [builders.trainer_gas_request(model=model, zerofix="repatched",
                                        extra_args=("--zero-stage", str(stage)) if stage is not None else ())
             for stage, model in REPATCH_CASES.get(stack, ())]
 

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import uses
 from test_trainer_scaling import ENTRY, EXACT, head_factor, measured_unpatched
-from zerofix.check import parity
+from zerofix.check import builders
 
 pytestmark = pytest.mark.distributed
 STACKS = ("latest", "2026-04")
@@ -35,7 +35,7 @@ def row_cells() -> list[dict]:
 
 
 def rows_requests(stack):
-    return [parity.trainer_request(row_cells(), nproc=1, name="trainer-rows")]
+    return [builders.trainer_request(row_cells(), nproc=1, name="trainer-rows")]
 
 
 def unpatched_factors(stack: str, cell: dict) -> list[float]:

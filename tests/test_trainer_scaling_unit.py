@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
+from zerofix import trainer_decision  # noqa: E402
 from zerofix.fixes import trainer_scaling as fix  # noqa: E402
 
 
@@ -78,11 +79,11 @@ def test_a_new_run_reads_the_trainers_facts_again():
     """Issue 40: train() again with another model (model_init): nothing read in the first run is kept."""
     t, count = trainer(), torch.tensor(12)
     run_step(t, count)
-    assert fix.known(t).stated is False
+    assert fix.state_of(t).stated is False
     t.model_accepts_loss_kwargs = False  # the new model's guess differs from its signature: a statement
     t.state = types.SimpleNamespace()
     run_step(t, count)
-    assert fix.known(t).stated is True
+    assert fix.state_of(t).stated is True
 
 
 def test_an_int_count_is_watched_as_a_tensor_at_every_step():
@@ -95,7 +96,7 @@ def test_an_int_count_is_watched_as_a_tensor_at_every_step():
 def test_no_count_no_watch():
     t, seen = trainer(), []
     fix.training_step(lambda m, i, n: seen.append(n), t, (t.model, {}, None), {})
-    assert seen == [None] and fix.known(t).verdict is None
+    assert seen == [None] and fix.state_of(t).verdict is None
 
 
 def test_a_compiled_model_is_not_watched_and_upstream_is_followed(caplog):
@@ -104,7 +105,7 @@ def test_a_compiled_model_is_not_watched_and_upstream_is_followed(caplog):
     t, count = trainer(torch_compile=True), torch.tensor(12)
     with caplog.at_level(logging.WARNING, logger="zerofix"):
         seen, loss = run_step(t, count)
-    assert seen is count and fix.known(t).compiled and fix.known(t).verdict.state == "unknown"
+    assert seen is count and fix.state_of(t).compiled and fix.state_of(t).verdict.state == "unknown"
     assert "torch.compile" in caplog.text and "zerofix.loss_is_scaled_for_ga(trainer" in caplog.text
     assert loss.item() == 1.0
 
@@ -113,7 +114,7 @@ def test_a_compiled_loss_function_is_not_watched_either():
     t, count = trainer(), torch.tensor(12)
     t.compute_loss_func = torch.compile(lambda outputs, labels, num_items_in_batch=None: outputs)
     seen, _ = run_step(t, count)
-    assert seen is count and fix.known(t).verdict.state == "unknown"
+    assert seen is count and fix.state_of(t).verdict.state == "unknown"
 
 
 def test_an_unknown_verdict_follows_upstream_and_says_so_once(caplog):
@@ -331,7 +332,7 @@ def test_a_handed_head_whose_loss_ignores_the_count_runs_its_step_again_as_the_t
     assert [c[:2] for c in calls] == [(8, True), (None, False), (None, False)], calls
     assert calls[0][2] == calls[1][2]  # the step ran again from the same random state
     assert [e.item() for e in engine] == [1.0, 1.0]  # one backward per micro-batch, none of the handed loss
-    assert fix.known(t).handing is None and "stopped" in fix.runtime_details()[-1]["count_handed"]
+    assert fix.state_of(t).handed_head is None and "stopped" in fix.runtime_details()[-1]["count_handed"]
     assert "independent of num_items_in_batch" in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
@@ -356,14 +357,14 @@ def test_the_last_scalings_of_a_loss_are_read_from_its_graph():
     x = torch.ones(3, requires_grad=True)
     loss = x.sum()
     for divided in (loss / 4, loss * 0.25, 0.25 * loss, loss / torch.tensor(4), loss.div(4.0), torch.tensor(0.25) * loss):
-        assert fix._last_scalings(divided) == (0.25,), divided.grad_fn
+        assert fix.last_scalings(divided) == (0.25,), divided.grad_fn
     multiplied = loss / 4
     multiplied *= 2  # the Trainer's loss *= num_processes
-    assert fix._last_scalings(multiplied) == (2.0, 0.25)
-    assert fix._last_scalings(loss / 3 / 4) == (0.25, 1 / 3)
+    assert fix.last_scalings(multiplied) == (2.0, 0.25)
+    assert fix.last_scalings(loss / 3 / 4) == (0.25, 1 / 3)
     w = torch.tensor(4.0, requires_grad=True)
-    assert fix._last_scalings(loss / w) == () and fix._last_scalings(loss) == ()
-    assert fix._last_scalings((loss / 4) + 1) == ()
+    assert fix.last_scalings(loss / w) == () and fix.last_scalings(loss) == ()
+    assert fix.last_scalings((loss / 4) + 1) == ()
 
 
 def test_the_environment_states_what_the_loss_is(monkeypatch):
@@ -421,9 +422,26 @@ def test_the_micro_batch_mean_reading_goes_on_until_a_window_concludes(caplog):
 
 
 def test_the_reading_gives_up_after_its_windows(monkeypatch, caplog):
-    monkeypatch.setattr(fix, "MEANS_WINDOWS", 2)
+    monkeypatch.setattr(trainer_decision, "MEANS_WINDOWS", 2)
     t, count = trainer(), torch.tensor(12)
     with caplog.at_level(logging.WARNING, logger="zerofix"):
         for counted in (6,) * 8 + (3, 9, 6, 6):  # two equal windows, then one that differs: no longer read
             run_step(t, count, lambda n, c=counted: _token_mean(c))
-    assert "averages a term" not in caplog.text and fix.known(t).means is None
+    assert "averages a term" not in caplog.text and fix.state_of(t).decision.means is None
+
+
+def test_a_window_whose_micro_batches_count_alike_is_even():
+    """Issue 69: handing a dropped count changes an update only where the micro-batches count different labels (a
+    classifier's equal micro-batches: only the rounding), read either way the Trainer counts (shifted or not) and over
+    the processes where it counts across them."""
+    from zerofix.fixes.trainer_scaling.reading import even_window
+
+    classes = [{"labels": torch.tensor([1, 0])}, {"labels": torch.tensor([2, 2])}]
+    assert even_window(classes, torch.tensor(4), world=1, across=False)
+    assert even_window(classes, torch.tensor(8), world=2, across=True)  # every rank's the same too
+    assert not even_window(classes, torch.tensor(10), world=2, across=True)  # another rank counts more
+    tokens = [{"labels": torch.tensor([[-100, 3, 4, -100]])}, {"labels": torch.tensor([[-100, -100, 5, 6]])}]
+    assert even_window(tokens, torch.tensor(4), world=1, across=False)  # unshifted: 2 and 2
+    uneven = [{"labels": torch.tensor([[-100, 3, 4, 5]])}, {"labels": torch.tensor([[-100, -100, 5, 6]])}]
+    assert not even_window(uneven, torch.tensor(5), world=1, across=False)
+    assert not even_window([{"input_ids": torch.ones(2)}], torch.tensor(2), world=1, across=False)  # no labels

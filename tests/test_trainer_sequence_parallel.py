@@ -2,7 +2,7 @@
 
 Real Trainer, real DeepSpeed Ulysses (``parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2)``),
 2 gloo ranks (one SP group) and 4 (sp 2 x dp 2), one SGD step of a tiny Llama in fp32 through
-``zerofix.check.sequence_parallel``: samples of 32 tokens with uneven counted labels, sample 0's second shard holding
+``zerofix.check.scenarios.sequence_parallel``: samples of 32 tokens with uneven counted labels, sample 0's second shard holding
 none. Every cell is compared with a float64 reference computed by hand in rank 0 on the samples the step trained on
 (read from the ranks' collators): the gradient of the window's token mean, and of the mean of micro-batch means.
 
@@ -63,7 +63,7 @@ def launch(tmp_path, nproc: int, cells: list[dict], variants: str) -> tuple[list
     out = tmp_path / f"sp{nproc}-{variants.replace(',', '-')}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZEROFIX", "_ZEROFIX"))}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           str(nproc), "-m", "zerofix.check.sequence_parallel", "--out", str(out),
+                           str(nproc), "-m", "zerofix.check.scenarios.sequence_parallel", "--out", str(out),
                            "--variants", variants, "--cells", json.dumps(cells)],
                           env=env, capture_output=True, text=True, timeout=600)
     results = [json.loads(line) for line in (out / "result.jsonl").read_text().splitlines()] \

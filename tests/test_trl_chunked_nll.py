@@ -33,7 +33,7 @@ import os  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from conftest import uses  # noqa: E402
-from zerofix.check import jobs, launch  # noqa: E402
+from zerofix.check import builders, launch  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 R1_STACK = "trl151-ds0154"
@@ -47,7 +47,7 @@ def sft(path, loss_type, *, zerofix=False, loss_fn="trl", **options):
     needs it, in the batch's folder)."""
     args = ["--model-dir", "{root}/tiny-llama", "--path", path, "--loss-type", loss_type, "--loss-fn", loss_fn]
     name = f"sft-{path}-{loss_type}-{loss_fn}-{'patched' if zerofix else 'unpatched'}"
-    return jobs.trl_request(jobs.TRL_SFT, name, args + (["--zerofix"] if zerofix else []), nproc=2, timeout=400,
+    return builders.trl_request(builders.TRL_SFT, name, args + (["--zerofix"] if zerofix else []), nproc=2, timeout=400,
                             **options)
 
 

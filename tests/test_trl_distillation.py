@@ -23,7 +23,7 @@ pytest.importorskip("trl")
 pytest.importorskip("deepspeed")
 
 from conftest import uses  # noqa: E402
-from zerofix.check import jobs, launch  # noqa: E402
+from zerofix.check import builders, launch  # noqa: E402
 from zerofix.check.scenarios import trl_distill  # noqa: E402
 
 STACKS = ("trl1100", "trl1142")  # trl 1.10.0 and 1.14.2: the ends of the range
@@ -35,7 +35,7 @@ def distill(variant, chunk, *, zerofix=False, **options):
     """DistillationTrainer under ZeRO-3 on 2 ranks, as accelerate launch runs it (student and teacher made by the
     first run that needs them, in the batch's folder)."""
     args = ["--student", "{root}/distill/student", "--teacher", "{root}/distill/teacher", "--chunk", str(chunk)]
-    return jobs.trl_request(jobs.TRL_DISTILL, f"distill-{variant}", args + (["--zerofix"] if zerofix else []),
+    return builders.trl_request(builders.TRL_DISTILL, f"distill-{variant}", args + (["--zerofix"] if zerofix else []),
                             nproc=2, timeout=400, **options)
 
 

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("trl")
 
 from conftest import uses  # noqa: E402
-from zerofix.check import jobs, runner  # noqa: E402
+from zerofix.check import builders, runner  # noqa: E402
 from zerofix.check.scenarios import trl_grpo  # noqa: E402
 
 pytestmark = pytest.mark.distributed
@@ -37,7 +37,7 @@ MODEL = "{root}/tiny-llama"  # made by the first run that needs it, in the batch
 
 def grpo_request(cases, *, zerofix, nproc=2):
     args = ["--model-dir", MODEL, "--cases", json.dumps(cases)] + (["--zerofix"] if zerofix else [])
-    return runner.Request(name=f"grpo-{'patched' if zerofix else 'unpatched'}-n{nproc}", module=jobs.TRL_GRPO,
+    return runner.Request(name=f"grpo-{'patched' if zerofix else 'unpatched'}-n{nproc}", module=builders.TRL_GRPO,
                           argv=tuple(args), nproc=nproc, timeout=500, imports=("transformers.trainer", "trl"))
 
 

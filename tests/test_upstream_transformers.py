@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import uses
-from zerofix.check import parity
+from zerofix.check import builders
 
 pytestmark = [pytest.mark.distributed, pytest.mark.stack("latest")]
 
@@ -33,7 +33,7 @@ RIGHT = {2: 0.00567, 3: 0.00491}
 
 def request(stage):
     config = {**CONFIG, "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
-    return [parity.trainer_request(CELLS, nproc=1, zero_stage=stage, ds_config=config,
+    return [builders.trainer_request(CELLS, nproc=1, zero_stage=stage, ds_config=config,
                                    name=f"upstream-transformers-zero{stage}")]
 
 

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
 
 from conftest import uses  # noqa: E402
-from zerofix.check import jobs  # noqa: E402
+from zerofix.check import builders  # noqa: E402
 from zerofix.check.scenarios import zero3_loss as scenario  # noqa: E402
 
 # DeepSpeed 0.19.8, 0.18.9 and 0.15.4: both ends of the range and the last release before GatheredParameters
@@ -57,7 +57,7 @@ def reference_updates(init: dict, snapshots: list[dict], c: dict, world: int) ->
 
 
 def matrix():
-    return [jobs.zero3_loss_request(CELLS, nproc=2, timeout=300)]
+    return [builders.zero3_loss_request(CELLS, nproc=2, timeout=300)]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ SMOKE = [c for c in CELLS if c["name"] in ("zerofix-outside-untied-bias-empty1",
 
 
 def smoke():
-    return [jobs.zero3_loss_request(SMOKE, nproc=2, timeout=300)]
+    return [builders.zero3_loss_request(SMOKE, nproc=2, timeout=300)]
 
 
 @pytest.mark.smoke(subset_of_matrix=True)

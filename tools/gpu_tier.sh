@@ -25,7 +25,7 @@ export PYTHONPATH=$base
   "$py" -m pip list 2>/dev/null | grep -iE "^(transformers|accelerate|deepspeed|liger|cut.cross|triton|torch) "; } > "$out/env.txt" 2>&1
 "$py" -c 'import torch; from zerofix import losses
 print("in-place bf16 accumulation (torch.addmm out_dtype, out=acc) adds right:",
-      losses._addmm_adds_in_place(torch.device("cuda"), torch.bfloat16))' >> "$out/env.txt" 2>&1
+      losses.gemm.addmm_adds_in_place(torch.device("cuda"), torch.bfloat16))' >> "$out/env.txt" 2>&1
 start=$SECONDS
 # 1. Timings first, with the GPU to themselves: zerofix's chunk sizes, then the table against the other kernels
 timeout "${SWEEP_LIMIT:-120}" "$py" benchmarks/bench_chunked_ce.py --device cuda --sweep --json "$out/sweep.json" \

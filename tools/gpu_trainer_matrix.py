@@ -97,12 +97,14 @@ def one_run(engine: str, dtype: str, nproc: int, cuda: bool = True, cells=None) 
     CPU, and every row must have trained there (tests/test_gpu_tier_cpu.py: this code's CPU test). ``cells``: a list of
     CELL_SETS (default: CELLS)."""
     cell_set = CELLS if cells is None else cells
-    from zerofix.check import launch, parity, runner
+    from zerofix.check import builders, runner
 
-    launch.USE_CUDA = cuda  # the ranks see this machine's GPU (scenario_env hides it everywhere else)
+    from zerofix.check.host import env as host_env
+
+    host_env.USE_CUDA = cuda  # the ranks see this machine's GPU (scenario_env hides it everywhere else)
     options = ENGINES[engine]
     cells = [{**c, dtype: True} if dtype != "fp32" else dict(c) for c in cell_set]
-    request = parity.trainer_request(
+    request = builders.trainer_request(
         cells, nproc=nproc, zero_stage=options.get("zero_stage"), fsdp=options.get("fsdp"),
         ds_config=ds_config(options["zero_stage"], dtype) if "zero_stage" in options else None,
         extra_args=("--cuda",) if cuda else (), name=f"gpu-{engine}-{dtype}")

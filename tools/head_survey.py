@@ -92,7 +92,7 @@ def survey() -> list[tuple[str, ...]]:
                 continue
             torch.manual_seed(0)
             model = build(cls_name)
-            guess = trainer_scaling._trainer_guess(model)
+            guess = trainer_scaling.trainer_guess(model)
             takes = any(p.kind == inspect.Parameter.VAR_KEYWORD
                         for p in inspect.signature(model.forward).parameters.values())
             batch = inputs()

@@ -55,6 +55,7 @@ class Fix(NamedTuple):
 
 
 TRAINER = "zerofix.fixes.trainer_scaling"
+TRAINER_WIRING = TRAINER + ".wiring"  # the entry's wrappers (a package: its parts in modules of their own)
 MANUAL = "zerofix.fixes.deepspeed_manual_accumulation"
 SCALE = "zerofix.fixes.deepspeed_scale_wrt_gas"
 HOOK = "zerofix.fixes.deepspeed_output_hook_division"
@@ -101,10 +102,10 @@ FIXES: tuple[Fix, ...] = (
         # every release measured from 4.46.3 to 5.24.0 has a head it scales wrongly; #47688 is open
         affected=">=4.46",
         targets=(
-            Target("transformers.trainer", "Trainer.training_step", TRAINER + ":training_step"),
-            Target("transformers.trainer", "Trainer.compute_loss", TRAINER + ":compute_loss"),
-            Target("transformers.trainer", "Trainer.get_batch_samples", TRAINER + ":get_batch_samples"),
-            Target("accelerate.accelerator", "Accelerator.backward", TRAINER + ":backward"),
+            Target("transformers.trainer", "Trainer.training_step", TRAINER_WIRING + ":training_step"),
+            Target("transformers.trainer", "Trainer.compute_loss", TRAINER_WIRING + ":compute_loss"),
+            Target("transformers.trainer", "Trainer.get_batch_samples", TRAINER_WIRING + ":get_batch_samples"),
+            Target("accelerate.accelerator", "Accelerator.backward", TRAINER_WIRING + ":backward"),
         ),
         implementation=TRAINER,
         upstream=(

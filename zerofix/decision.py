@@ -1,46 +1,44 @@
-"""What the Trainer entry does to one backward, decided in one place (issue 58, item 5). Plain code, no torch.
+"""What the Trainer entry does, decided in one place (issues 58 and 68). Plain code, no torch.
 
-The entry (``zerofix.fixes.trainer_scaling``) reads a step and hands this module what it read:
+The entry (``zerofix.fixes.trainer_scaling``) reads the trainer, the model and each step, and asks one
+``zerofix.trainer_decision.TrainerDecision`` per trainer run, once per event, what to do; that object holds the run's
+state and applies the rules below, which are plain functions of what was read. The words are
+``zerofix.trainer_words``.
 
-- the *verdict*: what the loss does with ``num_items_in_batch`` (``zerofix.num_items_watch``: divided by it,
-  independent of it, unknown), and the Python factor a divided loss carries;
-- *statements*: the user's (``zerofix.loss_is_scaled_for_ga``, ``ZEROFIX_LOSS_IS_SCALED_FOR_GA``) and the ones the
-  Trainer, TRL or the model make with their own attributes (``stated``);
-- the loss's *last scalings*: the constants its last operations multiply it by (``loss / 4`` is ``0.25``).
+The rules written here and nowhere else:
 
-``decide`` turns them into a ``scaling.Plan``. One rule is written here and nowhere else:
+- **Who stated what the loss is** (``stated``): the user (``zerofix.loss_is_scaled_for_ga``, ``ZEROFIX_LOSS_IS_SCALED_FOR_GA``,
+  the API winning), the Trainer (``loss_is_scaled_for_ga``, transformers >= 5.19), TRL (a non-callable
+  ``compute_loss_func``), the model's class (``accepts_loss_kwargs``), or a trainer's ``model_accepts_loss_kwargs`` set
+  against its model's signature; zerofix's own handing is nobody's word.
+- **A value that equals the accumulation steps is a coincidence, not a statement.** Three readings are coincidences:
+  ``ALREADY_DIVIDED`` (a loss independent of the count whose last operation divides it by exactly
+  ``gradient_accumulation_steps`` or the window's length, read through the Trainer's own multiplication by the number of
+  processes: ms-swift's RLHF form, and also the average of GAS mean terms), ``CARRIES_STEPS`` (a loss divided by the
+  count and multiplied by exactly GAS: a hand fix of transformers 5.2 - 5.5.3's second division, or a loss weight; a
+  Python number or a one-element tensor alike, ``zerofix.num_items_watch.constant_value``), ``DIVIDED_BY_STEPS`` (a loss
+  divided by the count and by exactly GAS). Such a reading may hold back a change zerofix would otherwise make; it never
+  moves an update away from upstream's. Only statements move an update on an ambiguous loss; on an unknown verdict
+  nobody stated, the plan is upstream's (``scaling.acts_on``).
+- **A framework's flag is not the user's word** where the framework's later release or an upstream issue or PR calls
+  it a bug (``framework_word``, issue 67).
+- **The count zerofix hands stays only where the loss is divided by it**: a handed step whose loss is not runs again as
+  the Trainer runs it, and nothing more is handed in the run.
 
-**A value that equals the accumulation steps is a coincidence, not a statement.** Three readings are coincidences:
-
-- ``ALREADY_DIVIDED``: a loss independent of the count whose last operation divides it by exactly
-  ``gradient_accumulation_steps`` (or the window's length), read through the Trainer's own multiplication by the
-  number of processes. It is what a user who divides a micro-batch mean by GAS writes (ms-swift's RLHF trainers); it
-  is also the average of GAS micro-batch-mean terms, ``(a + b + c + d) / 4``, which is a mean.
-- ``CARRIES_STEPS``: a loss divided by the count and multiplied by exactly GAS: a hand fix of transformers 5.2 -
-  5.5.3's second division, or a loss weight that happens to equal GAS.
-- ``DIVIDED_BY_STEPS``: a loss divided by the count and by exactly GAS: the count already covers the window, so a
-  second division makes the update 1/GAS of the window's mean (or it is a loss weight of 1/GAS).
-
-Such a reading may hold back a change zerofix would otherwise make; it never moves an update away from upstream's.
-Where reading it as the user's word would give another plan than the measurement alone, the plan is upstream's (no
-change) and one WARNING (``coincidence_message``) says what was read, what each reading would make of the update
-and the statement that decides. ``DIVIDED_BY_STEPS`` changes nothing and is said. Only statements move an update on
-an ambiguous loss; on an unknown verdict nobody stated, the plan is upstream's (``scaling.acts_on``).
-
-Tests: tests/test_decision.py.
+Tests: tests/test_decision.py (the rules, and the run's object through its public methods).
 """
 from __future__ import annotations
 
 from fractions import Fraction
 from typing import NamedTuple
 
-from zerofix import scaling
+from zerofix import scaling, trainer_words as words
 
 ALREADY_DIVIDED = "already divided"
 CARRIES_STEPS = "carries the steps"
 DIVIDED_BY_STEPS = "divided by the steps"
 DIVIDED, INDEPENDENT, UNKNOWN = "divided", "independent", "unknown"  # num_items_watch's states (no torch import)
-STATEMENT = "ZEROFIX_LOSS_IS_SCALED_FOR_GA"
+STATEMENT = words.STATEMENT
 _CLOSE = 1e-6  # a constant equal to 1/GAS up to the rounding of ``1 / gas`` written by hand
 
 
@@ -50,7 +48,7 @@ class Evidence(NamedTuple):
     verdict: str | None  # DIVIDED, INDEPENDENT, UNKNOWN; None: no count was handed
     stated: bool = False  # the Trainer, TRL or the model said, rather than the Trainer guessed, what the loss is
     statement: bool | None = None  # the user's statement: True per window, False a micro-batch mean
-    factor: Fraction | None = None  # for DIVIDED: the Python factor of count ** -1 (num_items_watch.Verdict.factor)
+    factor: Fraction | None = None  # for DIVIDED: the constant factor of count ** -1 (num_items_watch.Verdict.factor)
     scalings: tuple = ()  # the constants the loss's last operations multiply it by, the last one first
     handed: bool = False  # zerofix handed the count to a head the Trainer never hands it (issue 47)
 
@@ -77,6 +75,7 @@ class Decision(NamedTuple):
         return self.as_read is not None and self.as_read != self.measured
 
 
+# ------------------------------------------------------------------------------------------------ the plain rules
 def own_statement(evidence: Evidence) -> bool | None:
     """The statement a step is scaled by: the user's; for a step zerofix handed the count whose loss is not divided by
     it, "a micro-batch mean" (what the Trainer would have taken it for, had zerofix not handed the count)."""
@@ -88,7 +87,7 @@ def own_statement(evidence: Evidence) -> bool | None:
 def coincidence(version, facts: scaling.TrainerFacts, evidence: Evidence, *, base_ran: bool) -> str | None:
     """Which coincidence the loss shows (module docstring), or None. Nothing is read where anyone stated what the loss
     is, on a single-step window, or on an unknown verdict."""
-    if evidence.stated or evidence.statement is not None or evidence.handed or facts.gas <= 1:
+    if not reads_coincidences(evidence.stated, evidence.statement, evidence.handed) or facts.gas <= 1:
         return None
     world = scaling.world_multiplier(version, facts) if base_ran else 1
     if evidence.verdict == DIVIDED and evidence.factor is not None:
@@ -109,6 +108,11 @@ def coincidence(version, facts: scaling.TrainerFacts, evidence: Evidence, *, bas
     return ALREADY_DIVIDED if scalings and any(_equal(scalings[0], 1.0 / s) for s in steps) else None
 
 
+def reads_coincidences(stated: bool, statement: bool | None, handed: bool) -> bool:
+    """Whether a loss's factors are read at all: only where nobody stated what it is and zerofix handed no count."""
+    return not stated and statement is None and not handed
+
+
 def _equal(value: float, wanted: float) -> bool:
     return abs(value - wanted) <= _CLOSE * abs(wanted)
 
@@ -116,16 +120,16 @@ def _equal(value: float, wanted: float) -> bool:
 def decide(version, facts: scaling.TrainerFacts, evidence: Evidence, engine: Engine) -> Decision:
     """The plan for one backward (module docstring)."""
     statement = own_statement(evidence)
-    found = coincidence(version, facts, evidence, base_ran=engine.base_ran)
+    shown = coincidence(version, facts, evidence, base_ran=engine.base_ran)
     call = _call(version, facts, evidence, engine, statement, carried=1)
     measured = _plan(call, facts, evidence, statement)
-    if found not in (ALREADY_DIVIDED, CARRIES_STEPS):
-        return Decision(call, measured, found, measured)
-    read_statement = True if found == ALREADY_DIVIDED else statement
+    if shown not in (ALREADY_DIVIDED, CARRIES_STEPS):
+        return Decision(call, measured, shown, measured)
+    read_statement = True if shown == ALREADY_DIVIDED else statement
     read_call = _call(version, facts, evidence, engine, read_statement,
-                      carried=facts.gas if found == CARRIES_STEPS else 1)
+                      carried=facts.gas if shown == CARRIES_STEPS else 1)
     as_read = scaling.plan(read_call)
-    return Decision(call, measured if as_read == measured else scaling.Plan(), found, measured, as_read)
+    return Decision(call, measured if as_read == measured else scaling.Plan(), shown, measured, as_read)
 
 
 def _call(version, facts, evidence: Evidence, engine: Engine, statement, *, carried: int) -> scaling.Call:
@@ -139,66 +143,47 @@ def _plan(call: scaling.Call, facts: scaling.TrainerFacts, evidence: Evidence, s
     return scaling.plan(call) if acts else scaling.Plan()
 
 
-def update_factor(call: scaling.Call, plan: scaling.Plan) -> Fraction:
-    """What ``plan`` makes of the update, relative to upstream's (the path with no change): 1 for no change."""
-    downstream = call.downstream if plan.no_downstream_division else 1
-    return Fraction(plan.multiply_by, plan.divide_by) * downstream
+def coincidence_message(decided: Decision, gas: int) -> str:
+    """The one WARNING of a run whose loss shows a coincidence (after "zerofix: <Trainer>'s loss ")."""
+    as_read = decided.as_read if decided.as_read is not None else decided.plan
+    return words.coincidence(decided.coincidence, gas, changes=decided.plan.changes,
+                             measured=scaling.applied_factor(decided.call, decided.measured, against=scaling.UPSTREAM),
+                             as_read=scaling.applied_factor(decided.call, as_read, against=scaling.UPSTREAM))
 
 
-_READ = {ALREADY_DIVIDED: "is independent of num_items_in_batch and its last operation divides it by "
-                          "gradient_accumulation_steps ({gas})",
-         CARRIES_STEPS: "is divided by num_items_in_batch and multiplied by gradient_accumulation_steps ({gas})",
-         DIVIDED_BY_STEPS: "is divided by num_items_in_batch and by gradient_accumulation_steps ({gas})"}
+class StatementFacts(NamedTuple):
+    """What a trainer and its model say of the loss by their own attributes (read once a run)."""
+
+    trainer_statement: bool  # trainer.loss_is_scaled_for_ga is not None (transformers >= 5.19, TRL's trainers)
+    loss_func_marker: bool  # a compute_loss_func that is not callable: TRL's marker for it before 5.19
+    loss_func: bool  # a compute_loss_func at all
+    model_declares: bool  # the model's class has ``accepts_loss_kwargs``: its author said
+    accepts: bool  # trainer.model_accepts_loss_kwargs
+    guess: bool  # what the release's Trainer.__init__ would guess for it from the model
 
 
-def reading(found: str, gas: int) -> str:
-    """What the loss showed, in words (the runtime details' ``scaled_for_ga`` and the WARNING)."""
-    return _READ[found].format(gas=gas)
+def stated(facts: StatementFacts, *, user: bool, head_handed: bool) -> bool:
+    """Whether someone said, rather than the Trainer guessed, whether the loss is per window: the user, the Trainer,
+    TRL's marker, the model's class, or a trainer's flag set against its model's signature (while zerofix hands the
+    count, the flag is zerofix's, nobody's word)."""
+    if user or facts.trainer_statement or facts.loss_func_marker:
+        return True
+    if not facts.loss_func and facts.model_declares:
+        return True
+    return (facts.accepts and not head_handed) != facts.guess
 
 
-def _becomes(factor: Fraction) -> str:
-    return "it stays this one" if factor == 1 else f"it becomes {float(factor):g}x this one"
-
-
-def coincidence_message(decision: Decision, gas: int) -> str:
-    """The one WARNING of a run whose loss shows a coincidence (after "zerofix: <Trainer>'s loss "): what was read,
-    that the update is upstream's, what each reading would make of it, and the statement that decides."""
-    found = decision.coincidence
-    said = reading(found, gas)
-    if found == DIVIDED_BY_STEPS:
-        return (f"{said}: the count already covers the accumulation window, so the update is 1/{gas} of the window's "
-                f"mean{' (as upstream makes it)' if not decision.plan.changes else ''}. For the window's mean, remove "
-                f"the division by gradient_accumulation_steps; if 1/{gas} is a loss weight, say so with {STATEMENT}=1 "
-                "and this warning goes")
-    measured = update_factor(decision.call, decision.measured)
-    as_read = update_factor(decision.call, decision.as_read)
-    if found == ALREADY_DIVIDED:
-        return (f"{said}. That division may be yours for gradient accumulation (the loss already per window) or part "
-                f"of a mean (an average of {gas} terms, a loss weight); {gas} is a coincidence zerofix does not act on, "
-                f"so the update is the Trainer's own. Say which: {STATEMENT}=1 (or zerofix.loss_is_scaled_for_ga("
-                f"trainer)) if the division is for accumulation ({_becomes(as_read)}), "
-                f"{STATEMENT}=0 (zerofix.loss_is_scaled_for_ga(trainer, False)) if the loss is a micro-batch mean "
-                f"({_becomes(measured)})")
-    return (f"{said}. The factor may be a hand fix of a second division by the accumulation steps (transformers 5.2.0 "
-            f"- 5.5.3) or a loss weight; {gas} is a coincidence zerofix does not act on, so the update is the Trainer's "
-            f"own. If it is a hand fix, remove it: zerofix divides exactly once where a release divides twice (the "
-            f"update: {_becomes(as_read).removeprefix('it ')}); if it is a loss weight, say so with {STATEMENT}=1 (or "
-            f"zerofix.loss_is_scaled_for_ga(trainer)) and this warning goes ({_becomes(measured)})")
-
-
-# Whose word a trainer's ``model_accepts_loss_kwargs = False`` is (issue 67). A flag the framework's own code sets is a
-# known bug of that framework's releases where its own later release or an upstream issue or PR says so: a catalogue
-# entry for those releases records it (zerofix.framework_flags), and the count is handed as the fixed release hands it.
-# A flag set by the user's own script or Trainer subclass stays the user's word and is followed; so does one the
-# framework set where a subclass from outside it runs its own ``__init__`` around the framework's (it may set the flag
-# too, and the two cannot be told apart): followed, and said.
 FRAMEWORK_BUG = "a framework's known bug"
 UNCLEAR = "the framework's, or a subclass's around it"
 
 
 def framework_word(flag) -> str | None:
-    """``FRAMEWORK_BUG``, ``UNCLEAR`` or None (no framework entry recorded the flag: the trainer's own, or the user's)
-    for a ``zerofix.framework_flags.FrameworkFlag`` (or None)."""
+    """Whose word a trainer's ``model_accepts_loss_kwargs = False`` is (issue 67), from a
+    ``zerofix.framework_flags.FrameworkFlag`` (or None): ``FRAMEWORK_BUG`` where the framework's own ``__init__`` set it
+    on a release a catalogue entry names (the count is handed as the fixed release hands it); ``UNCLEAR`` where a
+    subclass from outside the framework runs its own ``__init__`` around the framework's (it may set the flag too, and
+    the two cannot be told apart: followed, and said); None where no framework entry recorded the flag (the trainer's
+    own, or the user's: followed)."""
     if flag is None:
         return None
     return UNCLEAR if flag.around else FRAMEWORK_BUG
@@ -218,9 +203,35 @@ def local_batch_message(loss_type, gas: int, processes: int) -> str | None:
     known = LOCAL_BATCH_LOSSES.get(loss_type) if isinstance(loss_type, str) else None
     if known is None or (gas <= 1 and processes <= 1):
         return None
-    over, window = known
-    return (f"uses loss_type={loss_type!r}, which its library defines as normalised by {over}: with "
-            f"gradient_accumulation_steps={gas} over {processes} process(es) the update averages {gas * processes} "
-            f"micro-batch token means, which differs from one mean over the window's tokens wherever micro-batches "
-            f"count different numbers of tokens. That is the documented loss, and zerofix leaves it as it is; "
-            f"loss_type={window!r} normalises by the window's tokens")
+    return words.local_batch(loss_type, gas, processes, *known)
+
+
+class RunFacts(NamedTuple):
+    """What the entry read of a trainer and its model at a run's start (``trainer_scaling.reading.run_facts``)."""
+
+    covered: bool  # the run's path is one the entry models (zerofix.paths)
+    compiled: bool  # a compiled model or compute_loss_func: the count cannot be watched
+    loss_func: bool  # a compute_loss_func
+    smoother_takes_count: bool  # no label smoother, or one that takes num_items_in_batch (5.24's)
+    trainer_statement: bool  # trainer.loss_is_scaled_for_ga is not None
+    flagged: str | None  # the model class that says accepts_loss_kwargs = False while its forward takes **kwargs
+    withheld: str | None  # the model class a trainer's own flag withholds the count from (its forward takes **kwargs)
+    framework: object = None  # zerofix.framework_flags.FrameworkFlag of the trainer, or None
+    framework_fix: object = None  # its catalogue entry (zerofix.catalogue.Fix), or None
+    hand_count: bool = False  # ZEROFIX_HAND_COUNT_TO_MODEL=1
+    local_batch: tuple | None = None  # (loss_type, what it is said as) for a loss normalised over the local batch
+
+
+def handed_head(facts: RunFacts, user_statement) -> str | None:
+    """The model class zerofix has the Trainer hand the count to although the Trainer withholds it (issue 47), or None:
+    a head whose class says ``accepts_loss_kwargs = False``, or one a trainer's own flag withholds it from where the user
+    says that flag is not theirs (``ZEROFIX_HAND_COUNT_TO_MODEL=1``, issue 60) or a framework's release has it as a
+    known bug (issue 67); never where anybody's word decides the count (a ``compute_loss_func``, a statement, a label
+    smoother that takes no count). Whether the loss is divided by the count is each step's verdict."""
+    if facts.loss_func or not facts.smoother_takes_count or facts.trainer_statement or user_statement is not None:
+        return None
+    if facts.flagged:
+        return facts.flagged
+    if facts.withheld and (facts.hand_count or framework_word(facts.framework) == FRAMEWORK_BUG):
+        return facts.withheld
+    return None

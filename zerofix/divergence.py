@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from zerofix import zero3
-from zerofix.losses import _items, default_chunk_size, hand_out_fused
+from zerofix.losses import default_chunk_size, hand_out_fused, items
 
 __all__ = ["chunked_divergence"]
 
@@ -160,7 +160,7 @@ def chunked_divergence(student_hidden, student_weight, teacher_hidden, teacher_w
             denominator = n_valid.clamp(min=1).to(torch.promote_types(student_weight.dtype, torch.float32))
             weight = 1.0 / float(denominator)
         else:
-            count = _items(num_items_in_batch, torch.float32)
+            count = items(num_items_in_batch, torch.float32)
             denominator = num_items_in_batch.to(h_s.device) if torch.is_tensor(num_items_in_batch) else count
             weight = 1.0 / count if count > 0 else 0.0
         opt = {"beta": float(beta), "temperature": float(temperature), "s_scale": float(student_logit_scale),

@@ -16,7 +16,7 @@ import sys
 import torch
 
 
-class Point:
+class Snapshot:
     """The random states and ``model``'s buffers now; ``restore()`` puts them back (as often as needed)."""
 
     def __init__(self, model=None):

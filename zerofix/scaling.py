@@ -141,10 +141,16 @@ def plan(call: Call) -> Plan:
     return Plan(factor.numerator, factor.denominator, off)
 
 
-def applied_factor(call: Call, step: Plan) -> Fraction:
-    """The total the path multiplies compute_loss's value by, with ``step`` carried out, relative to what the
-    loss needs: 1 means exactly right (the tests hold every case against it)."""
+NEEDED, UPSTREAM = "needed", "upstream"  # what applied_factor compares with
+
+
+def applied_factor(call: Call, step: Plan, against: str = NEEDED) -> Fraction:
+    """The total the path multiplies compute_loss's value by, with ``step`` carried out, relative to what the loss
+    needs (``NEEDED``: 1 means exactly right; the tests hold every case against it) or to upstream's own path
+    (``UPSTREAM``: the path with no change, 1 for no change: what the decision's words say an update becomes)."""
     downstream = 1 if step.no_downstream_division else call.downstream
     total = Fraction(step.multiply_by, step.divide_by) / (call.trainer_divided * downstream)
+    if against == UPSTREAM:
+        return total * (call.trainer_divided * call.downstream)
     wanted = Fraction(1, call.world_multiplied * call.window) if call.loss_is_mean else Fraction(1)
     return total / wanted * call.carried

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 
-__all__ = ["gathered", "is_zero3_param", "partitioned", "gather", "release"]
+__all__ = ["gathered", "is_zero3_param", "partitioned", "gather", "release", "Hold"]
 
 
 def is_zero3_param(tensor) -> bool:
@@ -86,3 +86,47 @@ def gathered(*params):
         yield
     finally:
         release(todo)
+
+
+class Hold:
+    """Keeps ZeRO-3 parameters gathered in backward until autograd has accumulated their gradient (the chunked losses'
+    backward, ``zerofix.losses``, ``zerofix.divergence``: a gradient cannot be accumulated into a 0-element parameter).
+
+    The release runs as a post-hook of each parameter's AccumulateGrad node: those hooks run after
+    DeepSpeed's own reduction hook on the same node (registered earlier, at engine construction), so
+    DeepSpeed reduces the gradient of a whole parameter and zerofix partitions it afterwards.
+    """
+
+    def __init__(self, params_needing_grad, params_read):
+        import torch  # the losses that use it import it already; this module itself stays free of it
+
+        self.todo = gather(*params_read, *params_needing_grad)
+        self.pending = {id(p) for p in self.todo if p.requires_grad}
+        self.handles = []
+        with torch.enable_grad():  # backward runs with grad mode off; the node is reached through a view
+            for p in self.todo:
+                if id(p) in self.pending:
+                    node = p.view_as(p).grad_fn.next_functions[0][0]
+                    self.handles.append(node.register_hook(self._accumulated(p)))
+
+    def _accumulated(self, p):
+        def hook(*_):
+            self.pending.discard(id(p))
+            if not self.pending:
+                self.release()
+        return hook
+
+    def release_if_no_grad(self):
+        if not self.pending:
+            self.release()
+
+    def release(self):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        todo, self.todo = self.todo, []
+        # Partition only what is still whole and not in use by a module DeepSpeed is running (a tied
+        # embedding's own backward may hold it too; DeepSpeed releases it then).
+        still = [p for p in todo if getattr(p.ds_status, "name", "") == "AVAILABLE"
+                 and not getattr(p, "ds_active_sub_modules", None)]
+        release(still)

@@ -84,7 +84,7 @@ def run_curves(rows: list[dict], nproc: int, workdir: Path, timeout: float) -> l
 def _gas_curves(job_name, rows, nproc, timeout, jobs):
     """Trainer and accelerate rows: one window of samples, STEPS epochs. Returns (the request, its losses from
     (folder, records))."""
-    from zerofix.check import parity, plan, reference
+    from zerofix.check import builders, parity, plan, reference
 
     trainer = job_name.startswith("trainer-")
     gas = jobs.TRAINER_GAS if trainer else jobs.ACCELERATE_GAS
@@ -92,7 +92,7 @@ def _gas_curves(job_name, rows, nproc, timeout, jobs):
     models_of = {r["name"]: jobs.model_of(r["name"]) for r in rows}
     cells = [{"name": m, "model": m, "gas": gas, "samples": gas * jobs.BATCH * nproc, "epochs": STEPS,
               "lr": CURVE_LR[m]} for m in dict.fromkeys(models_of.values())]
-    make = parity.trainer_request if trainer else parity.accelerate_request
+    make = builders.trainer_request if trainer else builders.accelerate_request
     request = make(cells, nproc=nproc, zero_stage=stage, lr=jobs.LR, timeout=timeout, name=f"curves-{job_name}")
 
     def losses(out_dir, records):
@@ -124,10 +124,10 @@ def _gas_curves(job_name, rows, nproc, timeout, jobs):
 
 def _deepspeed_curves(job_name, rows, nproc, timeout, jobs):
     """Raw DeepSpeed rows: the row's loop, STEPS windows, every window on the first window's samples."""
-    from zerofix.check import accumulation, parity, reference
+    from zerofix.check import accumulation, builders, reference
 
     cells = {r["name"]: jobs.ds_cell(r["name"])._replace(windows=STEPS, repeat=True) for r in rows}
-    request = parity.ds_request(list(cells.values()), nproc=nproc, timeout=timeout, name="curves-deepspeed")
+    request = builders.ds_request(list(cells.values()), nproc=nproc, timeout=timeout, name="curves-deepspeed")
 
     def losses(out_dir, records):
         runs = request.interpret(out_dir, records)

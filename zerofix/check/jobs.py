@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from zerofix.check import accumulation, launch, parity, runner
+from zerofix.check import accumulation, builders, launch
 
 TRAINER_GAS, ACCELERATE_GAS, BATCH, WINDOWS = 8, 4, 2, 2
 LR = 5.0  # SGD: large, so the update dominates the fp32 rounding of weights near 1.0 (norms)
@@ -48,7 +48,7 @@ def trainer(job, rows, nproc, timeout, workdir, *, cells=None, zero_stage=None, 
     zero_stage = job.zero_stage if zero_stage is None else zero_stage
     # One process without DeepSpeed: a request per cell, so that the ranks of the session that hosts them share them
     by_cell = nproc == 1 and zero_stage is None and job.fsdp is None
-    requests = [parity.trainer_request(part, nproc=nproc, zero_stage=zero_stage, lr=LR, timeout=timeout,
+    requests = [builders.trainer_request(part, nproc=nproc, zero_stage=zero_stage, lr=LR, timeout=timeout,
                                        ds_config=ds_config, name=job.name, fsdp=job.fsdp,
                                        fsdp_config=fsdp_config if job.fsdp else None)
                 for part in ([[c] for c in cells] if by_cell else [cells])]
@@ -66,7 +66,7 @@ def accelerate(job, rows, nproc, timeout, workdir, *, cells=None, zero_stage=Non
     cells = cells or [{"name": model_of(r.name), "model": model_of(r.name), "gas": ACCELERATE_GAS,
                        "samples": WINDOWS * ACCELERATE_GAS * BATCH * nproc} for r in rows]
     zero_stage = job.zero_stage if zero_stage is None else zero_stage
-    variants = {v: parity.accelerate_request(cells, nproc=nproc, zero_stage=zero_stage, lr=LR, timeout=timeout,
+    variants = {v: builders.accelerate_request(cells, nproc=nproc, zero_stage=zero_stage, lr=LR, timeout=timeout,
                                              ds_config=ds_config, zerofix=z, name=f"{job.name}-{v}",
                                              late=v == "unpatched")
                 for v, z in (("patched", "on"), ("unpatched", "off"))}
@@ -116,7 +116,7 @@ def ds_cell(name: str) -> accumulation.Cell:
 
 def deepspeed(job, rows, nproc, timeout, workdir, *, cells=None, base_config=None):
     cells = cells or [ds_cell(r.name) for r in rows]
-    request = parity.ds_request(cells, nproc=nproc, timeout=timeout, base_config=base_config, name=job.name)
+    request = builders.ds_request(cells, nproc=nproc, timeout=timeout, base_config=base_config, name=job.name)
 
     def results(batch):
         runs = batch.result(request)
@@ -163,22 +163,11 @@ def _ds_outcome(init: dict, snapshots: list[dict], cell, world: int) -> dict:
     return _outcome(max(comparisons, key=lambda c: c["rel_err"]))
 
 
-ZERO3_LOSS = "zerofix.check.scenarios.zero3_loss"
-
-
-def zero3_loss_request(cells, *, nproc: int, timeout: float = 600, name: str = "zero3-loss") -> runner.Request:
-    """The chunked-loss cells of ``zerofix.check.scenarios.zero3_loss`` in one run; its result: the ranks' records
-    (the snapshots and ``init.pt`` are in the request's folder)."""
-    return runner.Request(name=name, module=ZERO3_LOSS, argv=("--cells", "{out}/cells.json"), nproc=nproc,
-                          files=runner.files(**{"cells.json": list(cells)}), timeout=timeout, imports=("deepspeed",),
-                          interpret=lambda folder, records: records)
-
-
 def zero3_loss(job, rows, nproc, timeout, workdir, *, tied: bool = False):
     # a tied head (GPT-2, Qwen2) has no bias; the built-in rows' untied head has one
     cells = [{"name": r.name, "mode": r.name.rsplit("-", 1)[1], "tied": tied, "bias": not tied, "chunk_size": 3,
               "loss": "zerofix"} for r in rows]
-    request = zero3_loss_request(cells, nproc=nproc, timeout=timeout, name=job.name)
+    request = builders.zero3_loss_request(cells, nproc=nproc, timeout=timeout, name=job.name)
 
     def results(batch):
         import torch
@@ -207,35 +196,6 @@ def zero3_loss(job, rows, nproc, timeout, workdir, *, tied: bool = False):
     return Planned([request], results)
 
 
-TRL_SFT = "zerofix.check.scenarios.trl_sft"
-TRL_DISTILL = "zerofix.check.scenarios.trl_distill"
-TRL_GRPO = "zerofix.check.scenarios.trl_grpo"
-TRL_DS_CONFIG = {
-    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-    "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
-}
-
-
-def trl_accelerate_config(ds_file) -> dict:
-    """accelerate launch with DeepSpeed ZeRO-3 (``TRL_DS_CONFIG`` in ``ds_file``) and zero3_init_flag: from_pretrained
-    loads partitioned."""
-    return {"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED", "num_machines": 1,
-            "machine_rank": 0, "rdzv_backend": "static", "same_network": True,
-            "deepspeed_config": {"deepspeed_config_file": str(ds_file), "zero3_init_flag": True}}
-
-
-def trl_request(module: str, name: str, args, *, nproc: int, timeout: float, late: bool = False,
-                bound=None) -> runner.Request:
-    """A TRL scenario run as ``accelerate launch`` with ``trl_accelerate_config`` runs it: with the variables that
-    launch sets for this run only (the session computes them with accelerate's own launcher code,
-    ``launch.accelerate_env``); the DeepSpeed config is a file of the run's folder."""
-    return runner.Request(name=name, module=module, argv=tuple(args), nproc=nproc, timeout=timeout, late=late,
-                          bound=bound, files=runner.files(**{"ds_zero3.json": TRL_DS_CONFIG}),
-                          accelerate=json.dumps(trl_accelerate_config("{out}/ds_zero3.json")),
-                          imports=("deepspeed", "transformers.trainer", "trl"))
-
-
 def trl_sft(job, rows, nproc, timeout, workdir):
     """SFTTrainer with loss_type="chunked_nll" unpatched and patched, against the same run whose loss is computed
     from the full logits (SFTTrainer's compute_loss_func): the outcome compares the train losses, grad norms and
@@ -247,7 +207,7 @@ def trl_sft(job, rows, nproc, timeout, workdir):
         args = ["--model-dir", str(model_dir), "--path", "r1", "--loss-type", loss_type]
         args += ["--loss-fn", "full-logits"] if variant == "reference" else []
         args += ["--zerofix"] if variant == "patched" else []
-        return trl_request(TRL_SFT, f"{job.name}-{variant}", args, nproc=nproc, timeout=timeout,
+        return builders.trl_request(builders.TRL_SFT, f"{job.name}-{variant}", args, nproc=nproc, timeout=timeout,
                            late=variant == "unpatched")
 
     runs = {v: sft(v) for v in ("reference", "patched", "unpatched")}
@@ -274,7 +234,7 @@ def trl_sft_uneven(job, rows, nproc, timeout, workdir):
         loss_type = "nll" if variant == "reference" else "chunked_nll"
         args = ["--model-dir", str(model_dir), "--path", "r4", "--loss-type", loss_type]
         args += ["--zerofix"] if variant == "patched" else []
-        return trl_request(TRL_SFT, f"{job.name}-{variant}", args, nproc=nproc, timeout=timeout, **kw)
+        return builders.trl_request(builders.TRL_SFT, f"{job.name}-{variant}", args, nproc=nproc, timeout=timeout, **kw)
 
     return _uneven_row(rows[0], sft, "the full-logits reference run failed")
 
@@ -291,7 +251,7 @@ def trl_distill_uneven(job, rows, nproc, timeout, workdir):
         chunk = scenario.WHOLE if variant == "reference" else scenario.CHUNK
         args = ["--student", str(student), "--teacher", str(teacher), "--chunk", str(chunk)]
         args += ["--zerofix"] if variant == "patched" else []
-        return trl_request(TRL_DISTILL, f"{job.name}-{variant}", args, nproc=nproc, timeout=timeout, **kw)
+        return builders.trl_request(builders.TRL_DISTILL, f"{job.name}-{variant}", args, nproc=nproc, timeout=timeout, **kw)
 
     return _uneven_row(rows[0], distill, "the one-chunk reference run failed")
 
@@ -330,9 +290,7 @@ def trl_grpo(job, rows, nproc, timeout, workdir):
     model_dir = _tiny_llama(workdir)
     cases = {r.name: GRPO_CASES[r.name] for r in rows}
     args = ["--model-dir", str(model_dir), "--cases", json.dumps(list(cases.values()))]
-    variants = {v: runner.Request(name=f"{job.name}-{v}", module=TRL_GRPO, nproc=nproc, timeout=timeout,
-                                  argv=tuple(args + (["--zerofix"] if v == "patched" else [])),
-                                  late=v == "unpatched", imports=("transformers.trainer", "trl"))
+    variants = {v: builders.grpo_request(f"{job.name}-{v}", args, nproc=nproc, timeout=timeout, patched=v == "patched")
                 for v in ("patched", "unpatched")}
 
     def results(batch):
@@ -448,16 +406,11 @@ def your_zero3_loss(job, rows, nproc, timeout, workdir, user):
     return zero3_loss(job, rows, nproc, timeout, workdir, tied=user["tied"])
 
 
-SEQUENCE_PARALLEL = "zerofix.check.sequence_parallel"
-
-
 def trainer_sp(job, rows, nproc, timeout, workdir):
-    """The Trainer under DeepSpeed Ulysses (``zerofix.check.sequence_parallel``): one SP group of every rank, GA 2,
+    """The Trainer under DeepSpeed Ulysses (``zerofix.check.scenarios.sequence_parallel``): one SP group of every rank, GA 2,
     samples whose counted labels split unevenly over the shards; compared with the window's token mean."""
     cells = [{"zero": int(r.name.rsplit("zero", 1)[1]), "gas": 2, "sp": nproc} for r in rows]
-    request = runner.Request(name=job.name, module=SEQUENCE_PARALLEL, argv=("--cells", "{out}/cells.json", "--out",
-                             "{out}"), nproc=nproc, files=runner.files(**{"cells.json": cells}), timeout=timeout,
-                             imports=("deepspeed", "transformers.trainer"), interpret=lambda folder, records: records)
+    request = builders.sp_request(cells, nproc=nproc, timeout=timeout, name=job.name)
 
     def results(batch):
         measured = [x for record in batch.records(request) for x in record.get("results", ())]

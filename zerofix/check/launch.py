@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zerofix.check.host.env import interpreter_path, scenario_env  # noqa: F401 - the launcher's environment
+
 
 class LaunchError(RuntimeError):
     """A launch that failed or timed out; ``tail``: the last lines of the failing rank's own output."""
@@ -20,39 +22,6 @@ class LaunchError(RuntimeError):
     def __init__(self, message: str, tail: str = ""):
         super().__init__(message)
         self.tail = tail or "\n".join(message.splitlines()[-12:])
-
-
-# The GPU tier (tools/gpu_trainer_matrix.py) sets this: its ranks see the caller's GPUs. Everywhere else the ranks
-# see none, whatever the machine has, so a check on a GPU machine measures the CPU path it reports.
-USE_CUDA = False
-
-
-def scenario_env(extra: dict | None = None) -> dict:
-    """A quiet, offline environment with one thread per rank (2 cores, 2 ranks), CPU-only unless ``USE_CUDA``;
-    only ``extra`` may set ZEROFIX* variables."""
-    # A ZEROFIX* variable of the caller's shell must not decide what the "unpatched" run means.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZEROFIX", "_ZEROFIX"))}
-    env.update({
-        "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-        "WANDB_DISABLED": "true", "PYTHONUNBUFFERED": "1", "TRANSFORMERS_VERBOSITY": "error",
-        "PYTHONWARNINGS": "ignore",
-    })
-    if USE_CUDA:
-        env["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "0")
-    # DeepSpeed JIT-builds a CPU op; a cache shared between environments gets corrupted.
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, ".torch_extensions"))
-    # One ninja whoever calls (make, an activated environment, a bare shell): the interpreter's own environment's
-    # first. Two ninjas see each other's build as "command line changed" and rebuild the op (87 - 121 s).
-    env["PATH"] = interpreter_path(env.get("PATH", ""))
-    env.update(extra or {})
-    return env
-
-
-def interpreter_path(path: str) -> str:
-    """``path`` with the running interpreter's bin directory (a virtual environment's, with its ninja) first."""
-    first = os.path.dirname(sys.executable)
-    return os.pathsep.join([first] + [p for p in path.split(os.pathsep) if p and p != first])
 
 
 def torchrun(module: str, args: list[str], *, nproc: int, out_dir: Path, timeout: float = 600,
@@ -80,24 +49,50 @@ def accelerate_launch(module: str, args: list[str], *, config: dict, nproc: int,
     return _launch(cmd, module, nproc=nproc, out_dir=out_dir, timeout=timeout, env=env)
 
 
-@dataclass(frozen=True)
-class Run:
-    """One scenario run of a session: what ``python -m <module> <argv> --out <out>`` would do in a launch of its
-    own. ``env``: variables set for this run only; ``accelerate``: an accelerate config (JSON) whose launch variables
-    the run gets too (``accelerate_env``, computed in the ranks); ``rank``: a run of one process, run by that rank
-    before the session's process group exists (``zerofix.check.session``); ``timeout``: seconds from the run's
-    start; ``bound``: ``(run id, factor, minimum)``, a limit of ``factor`` times that earlier run's
-    seconds (at least ``minimum``), for a run that may hang by design (its unpatched half)."""
+@dataclass(frozen=True, eq=False)
+class Request:
+    """One scenario run: ``python -m <module> <argv>`` on ``nproc`` ranks, as one run of a session (issue 68: the record
+    the test suite, ``zerofix check`` and the session launcher share). ``argv`` (and ``accelerate``) may name ``{out}``,
+    the run's folder, into which ``files`` ((name, text) pairs) are written first, and ``{root}``, the batch's (what runs
+    share: a model the first run that needs it makes). ``env``: variables for this run only; ``accelerate``: an accelerate
+    config (JSON) whose ``accelerate launch`` variables the run gets too (``accelerate_env``, computed in the ranks);
+    ``timeout``: seconds from the run's start; ``bound``: ``(request, factor, minimum)``, a limit of ``factor`` times that
+    request's run time (at least ``minimum`` seconds), for a run that may hang by design (its unpatched half);
+    ``late``: run after the others of its session (a run that shows a bug, which crashes or hangs by design);
+    ``imports``: the libraries the run uses (its session imports them, and every module zerofix patches, before its first
+    run); ``needs_group``: False for a one-process run that makes no process group (a Trainer or accelerate loop without
+    DeepSpeed), which a larger session's ranks can run before their own group exists; ``interpret(folder, records)``:
+    what ``runner.Batch.result`` returns.
 
-    id: str
+    Placed in a batch (``runner.Batch``), the same record also says where it runs: ``id`` (its key), ``out`` (its
+    folder; ``{out}`` and ``{root}`` replaced), ``rank`` (a run of one process that a rank of a larger session runs before
+    that session's process group exists) and ``bound`` naming the other run by its id."""
+
+    name: str
     module: str
     argv: tuple = ()
-    out: Path = field(default=Path("."), compare=False)
+    nproc: int = 1
+    files: tuple = ()
     env: tuple = ()
     accelerate: str | None = None
     timeout: float = 600
     bound: tuple | None = None
+    late: bool = False
+    needs_group: bool = True
+    imports: tuple = ()
+    interpret: object = field(default=None, repr=False)
+    id: str | None = None
+    out: Path | None = field(default=None, compare=False)
     rank: int | None = None
+
+    @property
+    def key(self) -> str:
+        """A hash of what the run does (module, arguments, files, environment, ranks): the same request asked twice runs
+        once."""
+        import hashlib
+
+        what = json.dumps([self.module, list(self.argv), self.nproc, list(self.files), list(self.env), self.accelerate])
+        return hashlib.sha1(what.encode()).hexdigest()[:10]
 
 
 @dataclass
@@ -118,7 +113,8 @@ SESSION = "zerofix.check.session"
 _START = "[zerofix session] start "
 
 
-def run_session(runs, *, nproc: int, session_dir: Path, env: dict | None = None, python: str = sys.executable,
+def run_session(runs: list[Request], *, nproc: int, session_dir: Path, env: dict | None = None,
+                python: str = sys.executable,
                 imports=(), patched_modules: bool = True, poll: float = 0.1, on_start=None,
                 on_end=None, fork: bool = False) -> dict[str, Outcome]:
     """Run ``runs`` in order on one set of ``nproc`` ranks (``zerofix.check.session``); {run id: Outcome}.
@@ -258,7 +254,7 @@ def _first_error(folder: Path) -> tuple[int, str] | None:
 
 def _remove_segments(folder: Path) -> None:
     """The DeepSpeed segments of a session that ended (a killed or crashed rank leaves its own: ``shm``)."""
-    from zerofix.check import shm
+    from zerofix.check.host import shm
 
     try:
         master = json.loads((folder / "master.json").read_text())
@@ -321,7 +317,7 @@ def _started(folder: Path, index: int) -> bool:
     return any(f"start {index} " in p.read_text() for p in folder.glob("progress.rank*"))
 
 
-def _limit(run: Run, outcomes: dict) -> float:
+def _limit(run: Request, outcomes: dict) -> float:
     if run.bound:
         other, factor, minimum = run.bound
         seconds = outcomes.get(other) and outcomes[other].seconds

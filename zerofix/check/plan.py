@@ -49,7 +49,7 @@ JOBS = {job.name: job for job in (
     Job("trainer-fsdp2", ("transformers", "accelerate"), versions=FSDP2_VERSIONS, fsdp=2),
     Job("trainer-zero2", ("transformers", "accelerate", "deepspeed"), zero_stage=2),
     Job("trainer-zero3", ("transformers", "accelerate", "deepspeed"), zero_stage=3),
-    # DeepSpeed Ulysses through the Trainer's parallelism_config (zerofix.check.sequence_parallel): every rank one SP
+    # DeepSpeed Ulysses through the Trainer's parallelism_config (zerofix.check.scenarios.sequence_parallel): every rank one SP
     # group; transformers' SP branch is 5.0+, accelerate's sp_backend 1.12+, which requires DeepSpeed 0.18.2+
     Job("trainer-sp", ("transformers", "accelerate", "deepspeed"), min_ranks=2, versions=(
         ("transformers", ">=5.0.0.dev0", "has no DeepSpeed sequence-parallel branch (5.0+)"),

@@ -38,7 +38,7 @@ def _op_built(extensions_dir: str) -> bool:
 def preflight(found: dict, rows) -> str:
     """One line: the prerequisites the selected scenarios need that are missing (torch for every one; a C++
     compiler for DeepSpeed, which builds its CPU communication op on first use; no lock left by an interrupted
-    build, zerofix.check.jitlock), or that all are there."""
+    build, zerofix.check.host.jitlock), or that all are there."""
     import shutil
 
     from zerofix.check import plan
@@ -58,7 +58,8 @@ def preflight(found: dict, rows) -> str:
                             "found): DeepSpeed builds its CPU communication op with one, so its scenarios will fail "
                             "(install g++, e.g. apt-get install g++)")
     if needs_deepspeed and found.get("deepspeed"):
-        from zerofix.check import jitlock, launch
+        from zerofix.check import launch
+        from zerofix.check.host import jitlock
 
         env = launch.scenario_env()
         ninja = shutil.which("ninja", path=env["PATH"])

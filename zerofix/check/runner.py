@@ -9,47 +9,17 @@ fresh session after one of them has little left to run.
 """
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import json
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from zerofix.check import launch
 
 
-@dataclass(frozen=True, eq=False)
-class Request:
-    """``python -m <module> <argv>`` on ``nproc`` ranks, as one run of a session. ``argv`` (and ``accelerate``) may
-    name ``{out}``, the request's folder, into which ``files`` ((name, text) pairs) are written first, and ``{root}``,
-    the batch's (what runs share: a model the first run that needs it makes). ``env``: variables for this run
-    only; ``accelerate``: an accelerate config (JSON) whose ``accelerate launch`` variables the run gets too. ``bound``: ``(request, factor, minimum)``: a limit of ``factor`` times that request's run time (at least
-    ``minimum`` seconds) instead of ``timeout``. ``imports``: the libraries the run uses (its session imports them,
-    and every module zerofix patches, before its first run). ``needs_group``: False for a one-process run that makes no process
-    group (a Trainer or accelerate loop without DeepSpeed), which a larger session's ranks can run before their
-    own group exists. ``interpret(folder, records)``: what ``Batch.result`` returns."""
-
-    name: str
-    module: str
-    argv: tuple
-    nproc: int
-    files: tuple = ()
-    env: tuple = ()
-    accelerate: str | None = None
-    timeout: float = 600
-    bound: tuple | None = None
-    late: bool = False
-    needs_group: bool = True
-    imports: tuple = ()
-    interpret: Callable | None = field(default=None, repr=False)
-
-    @property
-    def key(self) -> str:
-        what = json.dumps([self.module, list(self.argv), self.nproc, list(self.files), list(self.env), self.accelerate])
-        return hashlib.sha1(what.encode()).hexdigest()[:10]
+Request = launch.Request  # one record for a run, from the test that asks for it to the session that runs it
 
 
 class Batch:
@@ -83,7 +53,7 @@ class Batch:
         pending = [r for k, r in self._requests.items() if k not in self._outcomes]
         if not pending:
             return
-        from zerofix.check import shm
+        from zerofix.check.host import shm
 
         shm.clear_stale()  # a segment a killed rank left behind would stall a session given its port
         bar = self.progress(len(pending)) if self.progress else None
@@ -149,7 +119,8 @@ class Batch:
             if bar:
                 bar.close()
 
-    def _run(self, request: Request, rank: int | None = None) -> launch.Run:
+    def _run(self, request: Request, rank: int | None = None) -> Request:
+        """``request`` placed in this batch (its folder made and its files written)."""
         out = self.folder(request)
         out.mkdir(parents=True, exist_ok=True)
         for name, text in request.files:
@@ -158,12 +129,13 @@ class Batch:
         if request.bound:
             other, factor, minimum = request.bound
             bound = (other.key, factor, minimum)
+
         def placed(text: str) -> str:
             return text.replace("{out}", str(out)).replace("{root}", str(self.root))
 
-        return launch.Run(id=request.key, module=request.module, out=out, env=request.env, timeout=request.timeout,
-                          accelerate=request.accelerate and placed(request.accelerate), bound=bound, rank=rank,
-                          argv=tuple(placed(str(a)) for a in request.argv))
+        return dataclasses.replace(request, id=request.key, out=out, rank=rank, bound=bound,
+                                   accelerate=request.accelerate and placed(request.accelerate),
+                                   argv=tuple(placed(str(a)) for a in request.argv))
 
     def timings(self) -> dict:
         """Per session (by its number of ranks), per launch: each rank's start-up (seconds and CPU seconds from the

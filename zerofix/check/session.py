@@ -93,7 +93,7 @@ def main(argv=None) -> None:
             barrier()
         progress.write(f"done {index} {time.time():.3f} {cpu_offset + time.process_time():.3f}\n")
     progress.close()
-    from zerofix.check.scenarios import finish
+    from zerofix.check.rank import finish
 
     finish()
 
@@ -218,7 +218,7 @@ def prepare(imports, *, patched_modules: bool = True) -> None:
     (so that every run of every session sees the same fixes applied, whichever runs came before it; a session of
     runs that use no ML library, ``patched_modules`` False, skips them), then freeze what exists so that DeepSpeed
     0.18.x's gc.collect() calls scan only the runs' own objects."""
-    from zerofix.check import collectives
+    from zerofix.check.host import collectives
 
     collectives.install()
     for name in imports:

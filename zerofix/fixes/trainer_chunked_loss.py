@@ -15,13 +15,27 @@ that count tensor, which the Trainer entry's watch sees). It returns the model's
 no logits. Generation, evaluation (``model.eval()``), a batch without labels, a ``compute_loss_func`` and a
 label smoother go through the model's own forward.
 
-Which model it routes is decided from behaviour, once per model object, on the first micro-batch (no gradient,
-eval mode, the random state restored): the model's own forward with ``logits_to_keep`` gives the last positions'
-logits, which must equal the head applied to the backbone's hidden states there (within 1e-3 relative, 1e-2 in
-low precision), and must not add a router auxiliary loss; the model's ``loss_function`` on a small random case
-must equal the chunked loss (shifted labels, ``-100`` ignored, divided by the count or by the counted tokens). A
-model that fails any of these, or whose forward takes no ``logits_to_keep``, keeps its own loss, and the log says
-which and why, once (runtime details: ``zerofix.status()``).
+Which model it routes is decided from behaviour, per model and batch form, on the first batch with a counted label,
+in the model's own mode (training, in the step): the model's own forward *with the labels* against the route, each
+with a count and without one, from one random state (torch's, Python's and NumPy's) and the model's buffers as they
+were, both restored afterwards (``_probe``). Their hidden states, losses and the gradients those give the hidden
+states must agree; otherwise the model keeps its own loss and the log says why, once (runtime details:
+``zerofix.status()``).
+
+Ambiguity list (docs/fixes.md): what produces the observations the switch reacts to, and what it does with each.
+- A training loss that is not the chunked loss of the backbone's hidden states (a z-loss or dropout only in training,
+  a decoder fed from the labels, labels aligned otherwise, a router auxiliary loss, an inline mean that ignores the
+  count): the proof finds it, the model keeps its own loss, said once (tests/test_trainer_chunked_loss_unit.py).
+- A forward that draws randomness: from torch, Python's ``random`` or NumPy, replayed, so the route is proven and the
+  step draws what it draws without the switch; from elsewhere, the two forwards differ from each other and the model
+  keeps its own loss with that reason (tests/test_trainer_chunked_loss_unit.py, issue 69).
+- Whatever reads the logits or the head's call: a ``compute_loss_func``, a label smoother, ``return_outputs=True``,
+  ``output_hidden_states``, forward or backward hooks on the head or on the model, process-wide module hooks: the
+  switch stands aside for that trainer, said once; a compiled model too. A user's hooks inside the backbone see the
+  step's forwards only (the proof's run with them off).
+- Evaluation, generation, a batch without labels or with ``shift_labels``: the model's own forward, untouched.
+- A trainer whose ``compute_loss`` never reaches ``Trainer.compute_loss`` (TRL's DPO and reward trainers): nothing is
+  routed, said once; a tensor, context or sequence parallel layout: not covered, said.
 """
 from __future__ import annotations
 
@@ -32,6 +46,7 @@ from collections.abc import Mapping
 
 import torch
 
+from zerofix import hooks
 from zerofix.fixes import trainer_scaling
 from zerofix.fixes.contract import Check, drifted, found
 from zerofix.identity import WeakIdentityMap
@@ -190,20 +205,20 @@ def _probe(model, batch, autocast=None) -> _Route:
         calls its decoder directly)."""
         captured = []
         start.restore()  # the same random state and buffers for every forward of the proof
-        hooks = [backbone.register_forward_hook(lambda m, a, out: _leaf_hidden(out, captured)),
-                 head.register_forward_pre_hook(lambda m, a: None if captured else _leaf_input(a, captured))]
+        handles = [backbone.register_forward_hook(lambda m, a, out: _leaf_hidden(out, captured)),
+                   head.register_forward_pre_hook(lambda m, a: None if captured else _leaf_input(a, captured))]
         try:
             with torch.set_grad_enabled(with_grad):
                 return original(*args, **kwargs, labels=labels, use_cache=False, **extra), captured
         finally:
-            for hook in hooks:
-                hook.remove()
+            for handle in handles:
+                handle.remove()
 
     original, kept = type(model).forward.__get__(model), vars(model).get("forward")
-    start = replay.Point(model)
+    start = replay.Snapshot(model)
     model.forward = probe_forward
     try:
-        with _unseen_by_user_hooks(backbone):  # the user's hooks in the backbone see the step's forwards, not the proof's
+        with hooks.unseen_by_user_hooks(backbone):  # the user's hooks in the backbone see the step's forwards only
             model(**inputs)
     except Exception as exc:  # noqa: BLE001 - a family this proof cannot drive keeps its own loss
         return _Route(False, f"the route cannot reproduce its loss on this batch ({type(exc).__name__}: "
@@ -264,49 +279,6 @@ def _reproduces(first, second) -> bool:
     """Whether two runs of the model's own forward from one random state gave the same loss (bitwise)."""
     a, b = (getattr(o, "loss", None) if hasattr(o, "loss") else o[0] for o in (first, second))
     return a is not None and b is not None and torch.equal(a.detach(), b.detach())
-
-
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
-
-
-class _unseen_by_user_hooks:
-    """The forward hooks a user put on ``module``'s submodules, taken off for the proof's forwards and put back after,
-    each in its place (issue 69: a hook on ``model.model.norm`` saw 8 calls in a 4-step run, 4 of them the proof's).
-    The engines' hooks (DeepSpeed's ZeRO-3 gathers, FSDP's, accelerate's) and the libraries' own (transformers' input
-    gradients, PEFT's) stay: the proof's forwards need them as the step does."""
-
-    def __init__(self, module):
-        self.module, self.taken = module, []
-
-    def __enter__(self):
-        for sub in self.module.modules():
-            for name in _HOOK_DICTS:
-                hooks = getattr(sub, name, None)
-                if hooks and any(_is_users(h) for h in hooks.values()):
-                    order = list(hooks.items())
-                    for key, hook in order:
-                        if _is_users(hook):
-                            del hooks[key]
-                    self.taken.append((hooks, order))
-        return self
-
-    def __exit__(self, *exc):
-        for hooks, order in self.taken:
-            added = [(k, h) for k, h in hooks.items() if k not in dict(order)]  # set during the proof: kept, after
-            hooks.clear()
-            hooks.update(order)
-            hooks.update(added)
-        self.taken = []
-
-
-_ENGINES = ("deepspeed", "torch.distributed", "accelerate", "zerofix")
-_LIBRARIES = _ENGINES + ("transformers", "peft")
-
-
-def _is_users(hook, libraries=_LIBRARIES) -> bool:
-    """A hook that no engine or library set (read from the module that defined its function)."""
-    function = getattr(hook, "__func__", hook)
-    return not (getattr(function, "__module__", None) or "").startswith(libraries)
 
 
 def _close(a, b, tolerance: float) -> bool:
@@ -433,7 +405,7 @@ def _target(trainer, model):
         inner = trainer.accelerator.unwrap_model(model)
     except Exception:  # noqa: BLE001 - an exotic wrapper: take the model as it is
         inner = model
-    return trainer_scaling._unwrap_peft(inner)
+    return trainer_scaling.unwrap_peft(inner)
 
 
 def _aside_reason(trainer, model, target, inputs, args, kwargs) -> str:
@@ -451,14 +423,15 @@ def _aside_reason(trainer, model, target, inputs, args, kwargs) -> str:
     if inputs.get("output_hidden_states") or getattr(config, "output_hidden_states", False):
         return "output_hidden_states (the caller reads the model's hidden states)"
     head = target.get_output_embeddings() if callable(getattr(target, "get_output_embeddings", None)) else None
-    if isinstance(head, torch.nn.Module) and (_user_hooks(head) or _user_backward_hooks(head)):
+    if isinstance(head, torch.nn.Module) and (hooks.user_hooks(head) or hooks.user_backward_hooks(head)):
         return "hooks on the output head (the route never calls it, so they would not fire)"
     for wrapper in _wrappers(model, target):
-        kind = "forward" if _user_hooks(wrapper, pre=False) else "backward" if _user_backward_hooks(wrapper) else None
+        kind = ("forward" if hooks.user_hooks(wrapper, pre=False) else
+                "backward" if hooks.user_backward_hooks(wrapper) else None)
         if kind:
             return (f"{kind} hooks on {type(wrapper).__name__} (the model's output, whose logits the route does not "
                     "build, reaches them)")
-    if _process_wide_hooks():
+    if hooks.process_wide_hooks():
         return ("process-wide module hooks (torch.nn.modules.module.register_module_forward_hook and its kin: they see "
                 "every module's call and output, the head's logits too, which the route does not build)")
     return ""
@@ -477,29 +450,6 @@ def _wrappers(model, target) -> list:
         module = next((getattr(module, name) for name in ("module", "base_model", "model")
                        if isinstance(getattr(module, name, None), torch.nn.Module)), None)
     return [*chain, target] if all(m is not target for m in chain) else chain
-
-
-def _user_hooks(module, pre: bool = True) -> bool:
-    """Forward hooks on ``module`` that no engine (nor zerofix's Trainer entry) set (DeepSpeed's ZeRO-3 and FSDP hook every
-    module); ``pre``: its pre-hooks too (they see the inputs only, which the route passes on as they are)."""
-    hooks = [*module._forward_hooks.values(), *(module._forward_pre_hooks.values() if pre else ())]
-    return any(_is_users(h, _ENGINES) for h in hooks)
-
-
-def _user_backward_hooks(module) -> bool:
-    """Backward hooks on ``module`` that no engine set: on the head they would never fire (the route never calls it), on
-    the model they would see gradients of outputs the route does not build."""
-    hooks = [*module._backward_hooks.values(), *module._backward_pre_hooks.values()]
-    return any(_is_users(h, _ENGINES) for h in hooks)
-
-
-def _process_wide_hooks() -> bool:
-    """Hooks a user registered for every module (``register_module_forward_hook`` and the pre / backward ones)."""
-    from torch.nn.modules import module as torch_module
-
-    names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-             "_global_backward_pre_hooks")
-    return any(_is_users(h, _ENGINES) for name in names for h in getattr(torch_module, name, {}).values())
 
 
 def compute_loss(wrapped, trainer, args, kwargs):

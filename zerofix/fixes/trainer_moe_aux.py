@@ -84,7 +84,7 @@ def _coefficient(trainer):
         model = trainer.accelerator.unwrap_model(trainer.model)
     except Exception:  # noqa: BLE001 - an exotic wrapper: take the model as it is
         model = trainer.model
-    model = trainer_scaling._unwrap_peft(model)
+    model = trainer_scaling.unwrap_peft(model)
     coef = getattr(model, "router_aux_loss_coef", None)
     if coef is None:
         coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
@@ -93,7 +93,7 @@ def _coefficient(trainer):
 
 def compute_loss(wrapped, trainer, args, kwargs):
     accelerator = getattr(trainer, "accelerator", None)
-    step = accelerator.__dict__.get(trainer_scaling._STEP) if accelerator is not None else None
+    step = trainer_scaling.current_step(accelerator)
     if step is None or step.trainer is not trainer or step.aux is not None:
         return wrapped(*args, **kwargs)
     wanted, args, kwargs = _return_outputs(args, kwargs)
@@ -169,7 +169,7 @@ def reweighting(call, plan, *, downstream_now: int) -> Fraction:
 
 
 def backward(wrapped, accelerator, args, kwargs):
-    step = accelerator.__dict__.get(trainer_scaling._STEP) if accelerator is not None else None
+    step = trainer_scaling.current_step(accelerator)
     if step is None or step.aux is None or step.call is None:
         return wrapped(*args, **kwargs)
     aux, coef = step.aux

@@ -46,7 +46,7 @@ import torch
 
 from zerofix import paths
 from zerofix.fixes.contract import Check, drifted, found
-from zerofix.fixes.trainer_scaling import _warn_main  # a warning on the main process only (every rank decides alike)
+from zerofix.fixes import trainer_scaling
 from zerofix.identity import WeakIdentityMap
 
 FIX_ID = "transformers-deepspeed-sp-loss"
@@ -124,8 +124,8 @@ def _run_of(trainer):
 
 def _stand_aside(trainer, run, path) -> None:
     if paths.stood_aside(FIX_ID, path):
-        _warn_main(trainer, "zerofix: %s stands aside on this run, %s: the Trainer's own sequence-parallel loss "
-                   "trains unchanged (S x the mean of micro-batch means on ZeRO-0/1/2)", FIX_ID, path)
+        trainer_scaling.warn_main(trainer, "zerofix: %s stands aside on this run, %s: the Trainer's own sequence-parallel "
+                                  "loss trains unchanged (S x the mean of micro-batch means on ZeRO-0/1/2)", FIX_ID, path)
 
 
 def get_batch_samples(wrapped, trainer, args, kwargs):
@@ -184,11 +184,11 @@ def _say_loss_func_dropped(trainer) -> None:
     if run is None or "compute_loss_func" in run.said:
         return
     run.said.add("compute_loss_func")
-    _warn_main(trainer, "zerofix: compute_loss_func is not called under DeepSpeed sequence parallelism: transformers' "
-               "deepspeed_sp_compute_loss trains the model's own loss instead (upstream drops the function silently); "
-               "%s, and your function still is not called",
-               "zerofix trains that model loss at the window's token mean" if run.path.covered else
-               f"zerofix stands aside on this run ({run.path})")
+    trainer_scaling.warn_main(
+        trainer, "zerofix: compute_loss_func is not called under DeepSpeed sequence parallelism: transformers' "
+        "deepspeed_sp_compute_loss trains the model's own loss instead (upstream drops the function silently); %s, and "
+        "your function still is not called", "zerofix trains that model loss at the window's token mean"
+        if run.path.covered else f"zerofix stands aside on this run ({run.path})")
 
 
 def _say_smoothing_dropped(trainer) -> None:
@@ -200,11 +200,12 @@ def _say_smoothing_dropped(trainer) -> None:
         return
     run.said.add("label_smoother")
     factor = getattr(getattr(trainer, "args", None), "label_smoothing_factor", None)
-    _warn_main(trainer, "zerofix: label_smoothing_factor=%s is not applied under DeepSpeed sequence parallelism: "
-               "transformers' deepspeed_sp_compute_loss trains the model's own unsmoothed loss on each shard (upstream "
-               "drops the smoothing silently); %s. For smoothed labels, train without sequence parallelism",
-               factor, "zerofix trains that unsmoothed loss at the window's token mean" if run.path.covered else
-               f"zerofix stands aside on this run ({run.path})")
+    trainer_scaling.warn_main(
+        trainer, "zerofix: label_smoothing_factor=%s is not applied under DeepSpeed sequence parallelism: transformers' "
+        "deepspeed_sp_compute_loss trains the model's own unsmoothed loss on each shard (upstream drops the smoothing "
+        "silently); %s. For smoothed labels, train without sequence parallelism", factor,
+        "zerofix trains that unsmoothed loss at the window's token mean" if run.path.covered else
+        f"zerofix stands aside on this run ({run.path})")
 
 
 def _open_run(trainer):

@@ -131,6 +131,6 @@ def run(argv=None):
 
 
 if __name__ == "__main__":
-    from zerofix.check.scenarios import entry
+    from zerofix.check.rank import entry
 
     entry(run)

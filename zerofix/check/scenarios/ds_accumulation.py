@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from zerofix.check.files import write_whole
-from zerofix.check import accumulation, collectives, models, reference
+from zerofix.check import accumulation, models, reference
+from zerofix.check.host import collectives
 from zerofix.check.session import collect_and_freeze, freeze_once
 
 FIX = "deepspeed-manual-accumulation"  # the fix whose per-engine runtime the results carry
@@ -358,6 +359,6 @@ def run(argv=None) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from zerofix.check.scenarios import entry
+    from zerofix.check.rank import entry
 
     entry(run)

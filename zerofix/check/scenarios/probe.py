@@ -55,6 +55,6 @@ LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "ROLE_RANK", "GROUP_RANK", "ROLE_NAME"
 
 
 if __name__ == "__main__":
-    from zerofix.check.scenarios import entry
+    from zerofix.check.rank import entry
 
     entry(run)

@@ -553,6 +553,6 @@ def _train_variants(args, out: Path, world: int, rank: int) -> None:
 
 
 if __name__ == "__main__":
-    from zerofix.check.scenarios import entry
+    from zerofix.check.rank import entry
 
     entry(run)

@@ -22,7 +22,7 @@ import argparse
 import os
 from pathlib import Path
 
-from zerofix.check.scenarios import run_and_record
+from zerofix.check.rank import run_and_record
 from zerofix.check.scenarios.trl_grpo import prompts
 from zerofix.check.scenarios.trl_sft import count_head_gathers, ensure, make_model_dir
 
@@ -120,6 +120,6 @@ def train(args) -> dict:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from zerofix.check.scenarios import entry
+    from zerofix.check.rank import entry
 
     entry(run)

@@ -229,6 +229,6 @@ def _micro_objective(model, m: dict, settings: dict):
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from zerofix.check.scenarios import entry
+    from zerofix.check.rank import entry
 
     entry(run)

@@ -134,7 +134,7 @@ def run(argv=None) -> None:
     parser.add_argument("--zerofix", action="store_true")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", required=True)
-    from zerofix.check.scenarios import run_and_record
+    from zerofix.check.rank import run_and_record
 
     run_and_record(parser.parse_args(argv), train)
 
@@ -248,6 +248,6 @@ def full_logits_nll(outputs, labels, num_items_in_batch=None):
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from zerofix.check.scenarios import entry
+    from zerofix.check.rank import entry
 
     entry(run)

@@ -151,12 +151,12 @@ def run(argv=None) -> None:
     parser.add_argument("--trainers", default="gkd,reward")
     parser.add_argument("--out", required=True)
     parser.add_argument("--zerofix", action="store_true", help="unused: the scenario patches between its variants")
-    from zerofix.check.scenarios import run_and_record
+    from zerofix.check.rank import run_and_record
 
     run_and_record(parser.parse_args(argv), train)
 
 
 if __name__ == "__main__":
-    from zerofix.check.scenarios import entry
+    from zerofix.check.rank import entry
 
     entry(run)

@@ -253,6 +253,6 @@ def run(argv=None) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from zerofix.check.scenarios import entry
+    from zerofix.check.rank import entry
 
     entry(run)

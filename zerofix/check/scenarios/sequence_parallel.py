@@ -1,6 +1,6 @@
 """One Trainer step under DeepSpeed's Ulysses sequence parallelism, against the window's token mean (issue 61).
 
-Run in every rank (``python -m torch.distributed.run --nproc_per_node N -m zerofix.check.sequence_parallel ...``):
+Run in every rank (``python -m torch.distributed.run --nproc_per_node N -m zerofix.check.scenarios.sequence_parallel ...``):
 a tiny Llama with ``sdpa`` attention, fp32, SGD, one optimizer step of the real Trainer with
 ``parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=...)``. Samples are 32 tokens with uneven
 counted labels, so the shards of one sample hold different counts, and one sample can give a shard no counted token.

@@ -1,8 +1,8 @@
-"""Build DeepSpeed's CPU communication op ahead of the first run: ``python -m zerofix.check.prebuild``.
+"""Build DeepSpeed's CPU communication op ahead of the first run: ``python -m zerofix.check.host.prebuild``.
 
 DeepSpeed JIT-builds it on CPU the first time a process group starts in a fresh extensions directory (about 30 s
 of both cores, once per environment), and every rank of that first run waits for it. Built here, into the directory
-the scenarios' ranks use (``launch.scenario_env``), with the same builder DeepSpeed's communication backend calls,
+the scenarios' ranks use (``host.env.scenario_env``), with the same builder DeepSpeed's communication backend calls,
 the first run finds it built. CI builds the next stack's op while the previous stack's tests run (``make warm``).
 Nothing else changes: the op, its flags and its directory are DeepSpeed's own; a release without the op, or without
 DeepSpeed, is left alone (the runs then build nothing either).
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from zerofix.check.launch import scenario_env
+from zerofix.check.host.env import scenario_env
 
 
 def main() -> int:
