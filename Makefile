@@ -6,8 +6,9 @@ PYTEST_ARGS ?=
 
 venv = .venvs/$(1)/.installed
 comma := ,
-# matplotlib (zerofix check --plot) and accelerate's own tests' needs only on the stacks that run them
-extras = deepspeed,hf,dev$(if $(filter latest 2026-04,$(1)),$(comma)plot$(comma)upstream)$(if $(filter latest,$(1)),$(comma)peft)$(if $(filter latest 2026-04 trl160 trl1100 trl1142,$(1)),$(comma)grpo)$(if $(filter swift,$(1)),$(comma)swift)$(if $(filter llamafactory,$(1)),$(comma)llamafactory)$(if $(filter axolotl,$(1)),$(comma)axolotl)
+# matplotlib (zerofix check --plot) and accelerate's own tests' needs only on the stacks that run them; Triton (the fused
+# kernel under its interpreter) on latest
+extras = deepspeed,hf,dev$(if $(filter latest 2026-04,$(1)),$(comma)plot$(comma)upstream)$(if $(filter latest,$(1)),$(comma)peft$(comma)kernels)$(if $(filter latest 2026-04 trl160 trl1100 trl1142,$(1)),$(comma)grpo)$(if $(filter swift,$(1)),$(comma)swift)$(if $(filter llamafactory,$(1)),$(comma)llamafactory)$(if $(filter axolotl,$(1)),$(comma)axolotl)
 # A stack's overrides (a dependency's pin replaced: LLaMA-Factory's torchaudio pins its own torch) and excludes (a
 # package left out of the resolution), where its constraints/<stack>.overrides / .excludes exist
 resolution = $(if $(wildcard constraints/$(1).overrides),--overrides constraints/$(1).overrides) \

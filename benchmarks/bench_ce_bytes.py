@@ -46,8 +46,26 @@ def variants() -> dict:
                                                                           label_smoothing=0.1, z_loss=1e-4),
         "zerofix stats": lambda h, w, y, b: chunked_cross_entropy_with_stats(h, w, y)[0],
         "zerofix bias": lambda h, w, y, b: chunked_cross_entropy(h, w, y, b),
+        # issue 70: the three-GEMM path a GPU takes by default (its kernel accounted, not run: meta tensors), and its
+        # accurate policy (a float32 weight-gradient buffer: above Liger's bytes by design)
+        "zerofix fused": fused(lambda h, w, y, b: chunked_cross_entropy(h, w, y)),
+        "zerofix fused accurate": fused(lambda h, w, y, b: chunked_cross_entropy(h, w, y, accuracy="accurate")),
         "_torch": torch,
     }
+
+
+def fused(loss):
+    """``loss`` on the fused path (what CUDA takes where Triton imports), here on meta tensors."""
+    from zerofix.losses import function
+
+    def run(*args):
+        chosen = function.choose_path
+        function.choose_path = lambda *a: "fused" if chosen(*a) == "blocked" else chosen(*a)
+        try:
+            return loss(*args)
+        finally:
+            function.choose_path = chosen
+    return run
 
 
 def count(fn, n: int, hdim: int, v: int) -> dict:

@@ -153,10 +153,21 @@ def cuda_variants() -> dict:
     import torch
 
     out = {"plain": lambda h, w, y: F.cross_entropy((h @ w.t()).float(), y, ignore_index=-100),
-           "zerofix": lambda h, w, y: zerofix.chunked_cross_entropy(h, w, y)}
+           # issue 70: the three-GEMM path with the fused kernel, both accuracy policies (compact: the default), and
+           # the blocked path it replaced on CUDA (four GEMMs), forced
+           "zerofix": lambda h, w, y: zerofix.chunked_cross_entropy(h, w, y),
+           "zf-accurate": lambda h, w, y: zerofix.chunked_cross_entropy(h, w, y, accuracy="accurate"),
+           "zf-blocked": blocked_path(zerofix.chunked_cross_entropy)}
     if hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):  # torch >= 2.13
         options = torch.nn.LinearCrossEntropyOptions()
         out["torch"] = lambda h, w, y: F.linear_cross_entropy(h, w, y, ignore_index=-100, options=options)
+        for policy in ("accurate", "compact"):  # torch 2.14+: the same trade, named (issue 70)
+            try:
+                named = torch.nn.LinearCrossEntropyOptions(acc_policy=policy)
+            except TypeError:
+                break
+            out[f"torch-{policy}"] = (lambda o: lambda h, w, y: F.linear_cross_entropy(h, w, y, ignore_index=-100,
+                                                                                       options=o))(named)
     if importlib.util.find_spec("liger_kernel") is not None:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
@@ -167,6 +178,20 @@ def cuda_variants() -> dict:
 
         out["cce"] = lambda h, w, y: linear_cross_entropy(h, w, y, ignore_index=-100)
     return out
+
+
+def blocked_path(loss):
+    """``loss`` run on the blocked path (four GEMMs, no fused kernel) wherever the fused one would run."""
+    from zerofix.losses import function
+
+    def run(h, w, y):
+        chosen = function.choose_path
+        function.choose_path = lambda *a: "blocked" if chosen(*a) == "fused" else chosen(*a)
+        try:
+            return loss(h, w, y)
+        finally:
+            function.choose_path = chosen
+    return run
 
 
 def cuda_inputs(n, hdim, v, dtype, seed=0):
@@ -201,15 +226,20 @@ def cuda_measure(fn, hidden, weight, labels, repeats: int = 10, warmup: int = 3)
     return {"ms": statistics.median(times), "peak_mib": peak}
 
 
-def cuda_parity(fn, dtype) -> float:
-    """Loss relative error against float64 at N=1024, H=512, V=32000 (the issue's parity size)."""
+def cuda_parity(fn, dtype) -> tuple[float, float]:
+    """Relative errors of the loss and of the weight's gradient (Frobenius) against float64 from the same rounded
+    inputs, at N=8192, H=512, V=32000 (several chunks, so the weight gradient's accumulation shows; issue 70)."""
     import torch
     import torch.nn.functional as F
 
-    hidden, weight, labels = cuda_inputs(1024, 512, 32000, dtype, seed=3)
+    hidden, weight, labels = cuda_inputs(8192, 512, 32000, dtype, seed=3)
     loss = fn(hidden, weight, labels)
-    ref = F.cross_entropy(hidden.double() @ weight.double().t(), labels, ignore_index=-100)
-    return abs(float(loss.double()) - float(ref)) / abs(float(ref))
+    loss.backward()
+    w64 = weight.detach().double().requires_grad_()
+    ref = F.cross_entropy(hidden.detach().double() @ w64.t(), labels, ignore_index=-100)
+    ref.backward()
+    grad = float((weight.grad.double() - w64.grad).norm() / w64.grad.norm())
+    return abs(float(loss.double()) - float(ref)) / abs(float(ref)), grad
 
 
 def cuda_table(repeats: int, json_path: str | None) -> None:
@@ -225,19 +255,21 @@ def cuda_table(repeats: int, json_path: str | None) -> None:
         for name, fn in variants.items():
             try:
                 result = cuda_measure(fn, hidden, weight, labels, repeats)
-                result["parity"] = cuda_parity(fn, dtypes[dt])
+                result["parity"], result["dw_parity"] = cuda_parity(fn, dtypes[dt])
             except Exception as exc:  # noqa: BLE001 - a variant that cannot run this size says why
                 result = {"error": f"{type(exc).__name__}: {str(exc)[:80]}"}
             rows.append({"n": n, "h": hdim, "v": v, "dtype": dt, "variant": name, **result})
         del hidden, weight, labels
         torch.cuda.empty_cache()
-    print(f"{'N, H, V, dtype':<26} {'variant':<8} {'ms':>8} {'peak MiB':>9} {'loss rel err (f64)':>19}")
+    print(f"{'N, H, V, dtype':<26} {'variant':<14} {'ms':>8} {'peak MiB':>9} {'loss rel err (f64)':>19} "
+          f"{'dW rel err (f64)':>17}")
     for r in rows:
         where = f"{r['n']}, {r['h']}, {r['v']}, {r['dtype']}"
         if "error" in r:
-            print(f"{where:<26} {r['variant']:<8} {r['error']}")
+            print(f"{where:<26} {r['variant']:<14} {r['error']}")
         else:
-            print(f"{where:<26} {r['variant']:<8} {r['ms']:>8.1f} {r['peak_mib']:>9.0f} {r['parity']:>19.1e}")
+            print(f"{where:<26} {r['variant']:<14} {r['ms']:>8.1f} {r['peak_mib']:>9.0f} {r['parity']:>19.1e} "
+                  f"{r['dw_parity']:>17.1e}")
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=1))
 

@@ -378,8 +378,7 @@ def test_older_stacks_verdicts(tmp_path, stack):
         assert rows["trainer-1proc-custom"]["unpatched"]["ratio"] == pytest.approx(8, rel=1e-4)
 
 
-@pytest.mark.distributed
-@pytest.mark.smoke
+@pytest.mark.distributed  # the full tier's (16 s: the fast tier's time, issue 68)
 @pytest.mark.stack("latest")
 def test_quick_runs_one_process_and_its_small_set(tmp_path):
     code, document, stdout = zerofix_check(tmp_path, "--quick")

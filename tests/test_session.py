@@ -80,8 +80,8 @@ def test_a_request_is_known_by_what_it_does():
 # ---- real launches ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.distributed
-@pytest.mark.smoke
-@pytest.mark.parametrize("fork", [False, True], ids=["torchrun", "forked"])
+# the forked launch (the fast tier's batch) in the fast tier; torchrun's in the full tier (5 s, issue 68)
+@pytest.mark.parametrize("fork", [False, pytest.param(True, marks=pytest.mark.smoke)], ids=["torchrun", "forked"])
 def test_runs_share_one_launch_and_start_from_the_same_random_state(tmp_path, fork):
     batch = runner.Batch(tmp_path, fork=fork)
     group = [probe(t) for t in "abc"]
@@ -136,8 +136,7 @@ def test_a_run_that_crashes_fails_alone_with_its_own_cause(tmp_path, fork):
     assert launches(batch) == ["launch0", "launch1", "launch2"]
 
 
-@pytest.mark.distributed
-@pytest.mark.smoke
+@pytest.mark.distributed  # the full tier's (8 s: a torchrun launch beside the forked one; issue 68)
 def test_forked_ranks_see_the_environment_torchrun_gives_its_ranks(tmp_path):
     """``zerofix check`` forks its ranks after one import (``session.fork_ranks``); the suite's matrices launch them
     with torchrun. A rank sees the same variables either way, with the same values but for the run's own (its port,

@@ -37,7 +37,7 @@ timeout "${BENCH_LIMIT:-200}" "$py" benchmarks/bench_chunked_ce.py --device cuda
 echo "bench: exit $? after $((SECONDS - start)) s" >> "$out/env.txt"
 # 2. Correctness, all at once (each Trainer run is a tiny model: the GPU holds dozens)
 start=$SECONDS
-timeout "${TEST_LIMIT:-300}" "$py" -m pytest -m gpu tests/test_gpu.py -k "chunked or table" -q -p no:cacheprovider \
+timeout "${TEST_LIMIT:-300}" "$py" -m pytest -m gpu tests/test_gpu.py -k "chunked or kernel or table" -q -p no:cacheprovider \
   > "$out/pytest.txt" 2>&1 &
 timeout "${MATRIX_LIMIT:-300}" "$py" tools/gpu_trainer_matrix.py --jobs "${JOBS:-5}" --dtypes "${DTYPES:-bf16,fp16}" \
   --json "$out/matrix-machine.json" \

@@ -68,7 +68,7 @@ def chunked_cross_entropy(hidden, weight, labels, bias=None, **options):
     """Cross-entropy of ``hidden @ weight.T + bias`` without the full logits, ZeRO-3 safe.
 
     Options: ``ignore_index``, ``reduction``, ``num_items_in_batch``, ``chunk_size``, ``label_smoothing``,
-    ``logit_softcap``, ``z_loss``, ``logit_scale``; see ``zerofix.losses.chunked_cross_entropy``.
+    ``logit_softcap``, ``z_loss``, ``logit_scale``, ``accuracy``; see ``zerofix.losses.chunked_cross_entropy``.
     """
     from zerofix.losses import chunked_cross_entropy as _loss
 

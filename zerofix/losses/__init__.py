@@ -37,7 +37,7 @@ __all__ = ["chunked_cross_entropy", "chunked_cross_entropy_with_stats", "default
 def chunked_cross_entropy(hidden, weight, labels, bias=None, *, ignore_index: int = -100,
                           reduction: str = "mean", num_items_in_batch=None, chunk_size: int | None = None,
                           label_smoothing: float = 0.0, logit_softcap: float | None = None,
-                          z_loss: float = 0.0, logit_scale: float = 1.0):
+                          z_loss: float = 0.0, logit_scale: float = 1.0, accuracy: str | None = None):
     """Cross-entropy of ``hidden @ weight.T + bias`` against ``labels``, without building the full logits.
 
     Equals ``F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=..., reduction=...,
@@ -60,18 +60,23 @@ def chunked_cross_entropy(hidden, weight, labels, bias=None, *, ignore_index: in
       call it the same number of times (a gather is a collective), which any data-parallel loop does.
     - bf16/fp16 inputs: matmuls in the input dtype, softmax and accumulation in float32; the result has
       the input dtype.
+    - ``accuracy`` (bf16/fp16 weights, ``"mean"`` / ``"sum"``, on a GPU): ``"compact"`` (the default) accumulates
+      the weight gradient in the weight's dtype chunk by chunk, at Liger-Kernel's memory and accuracy; ``"accurate"``
+      in a float32 buffer rounded once, plain autograd's accuracy, for that buffer's bytes. Both take three GEMMs and
+      one fused Triton kernel per chunk. Where that kernel does not run (a CPU, a GPU without Triton) the weight
+      gradient is rounded once without the buffer (one GEMM more), whichever is asked.
     """
     loss, _ = run(hidden, weight, labels, bias, ignore_index=ignore_index, reduction=reduction,
                    num_items_in_batch=num_items_in_batch, chunk_size=chunk_size,
                    label_smoothing=label_smoothing, logit_softcap=logit_softcap, z_loss=z_loss,
-                   logit_scale=logit_scale, stats=False)
+                   logit_scale=logit_scale, stats=False, accuracy=accuracy)
     return loss
 
 
 def chunked_cross_entropy_with_stats(hidden, weight, labels, bias=None, **options):
     """``chunked_cross_entropy`` plus ``ChunkedStats`` (argmax-correct count, entropy sum, counted tokens)."""
     kwargs = dict(ignore_index=-100, reduction="mean", num_items_in_batch=None, chunk_size=None,
-                  label_smoothing=0.0, logit_softcap=None, z_loss=0.0, logit_scale=1.0, out_dtype=None)
+                  label_smoothing=0.0, logit_softcap=None, z_loss=0.0, logit_scale=1.0, out_dtype=None, accuracy=None)
     unknown = set(options) - set(kwargs)
     if unknown:
         raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(kwargs)}")

@@ -49,10 +49,10 @@ class ChunkedStats:
 
 class Options:
     __slots__ = ("chunk_size", "label_smoothing", "logit_softcap", "z_loss", "logit_scale", "weight_scale",
-                 "stats", "acc", "valid", "explicit_chunk")
+                 "stats", "acc", "valid", "explicit_chunk", "path", "accuracy")
 
     def __init__(self, chunk_size, label_smoothing, logit_softcap, z_loss, logit_scale, weight_scale, stats, acc,
-                 valid=None, explicit_chunk=False):
+                 valid=None, explicit_chunk=False, path="chunked", accuracy="compact"):
         self.chunk_size = chunk_size
         self.label_smoothing = label_smoothing
         self.logit_softcap = logit_softcap
@@ -63,6 +63,8 @@ class Options:
         self.acc = acc  # accumulation dtype: float32, or float64 for float64 inputs
         self.valid = valid  # the blocked path (``blocked_pass``): every row is passed, this mask says which count
         self.explicit_chunk = explicit_chunk  # the caller chose chunk_size (else the blocked path sizes its blocks)
+        self.path = path  # chunked, blocked or fused (zerofix.losses.function.choose_path)
+        self.accuracy = accuracy  # the fused path's weight-gradient accumulation: compact or accurate
 
 
 def _chunk_logits(h, weight, bias, opt, buf):

@@ -1,5 +1,5 @@
-"""The chunked loss as one autograd Function: its forward runs a path (``chunked`` or ``blocked``) and keeps the
-gradients it computed; its backward hands them out scaled by the incoming gradient, the ZeRO-3 head held whole until
+"""The chunked loss as one autograd Function: its forward runs a path (``chunked``, ``blocked`` or ``fused``, chosen by
+``choose_path``) and keeps the gradients it computed; its backward hands them out scaled by the incoming gradient, the ZeRO-3 head held whole until
 autograd has accumulated its gradient (``zerofix.zero3.Hold``). Also the checks of what a caller passes."""
 from __future__ import annotations
 
@@ -8,11 +8,22 @@ import math
 import torch
 
 from zerofix import zero3
+from zerofix.losses import kernel
 from zerofix.losses.blocked import blocked_pass
 from zerofix.losses.chunked import ChunkedStats, Options, default_chunk_size, forward_pass
+from zerofix.losses.fused import POLICIES, fused_pass
 from zerofix.losses.gemm import LOW_PRECISION
 
 _REDUCTIONS = ("mean", "sum", "none")
+
+
+def choose_path(device_type: str, weight_dtype, reduction: str) -> str:
+    """``fused`` (three GEMMs and the fused kernel: low-precision weights, a scalar reduction, where the kernel runs:
+    CUDA, or a CPU under Triton's interpreter), ``blocked`` (the same inputs elsewhere: four GEMMs, the weight gradient
+    rounded once without a float32 buffer) or ``chunked`` (float32 / float64 weights, or ``reduction="none"``)."""
+    if reduction == "none" or weight_dtype not in LOW_PRECISION:
+        return "chunked"
+    return "fused" if kernel.runs_on(device_type) else "blocked"
 
 
 def hand_out_fused(weight, bias, grads, grad_out):
@@ -38,9 +49,12 @@ class _ChunkedCE(torch.autograd.Function):
         want = ctx.needs_input_grad
         fused = opt.weight_scale is not None
         want_grads = (want[0], want[1], bias is not None and want[2]) if fused else (False, False, False)
-        if opt.valid is not None:  # the blocked path: every row passed, the ignored ones weighted 0
+        if opt.valid is not None:  # the blocked and fused paths: every row passed, the ignored ones weighted 0
             row_weights = opt.valid.to(opt.acc) * opt.weight_scale
-            losses, grads, stats = blocked_pass(h, weight, bias, y, opt, row_weights, want_grads)
+            if opt.path == "fused":
+                losses, grads, stats = fused_pass(h, weight, bias, y, opt, row_weights, want_grads, opt.accuracy)
+            else:
+                losses, grads, stats = blocked_pass(h, weight, bias, y, opt, row_weights, want_grads)
             losses = torch.where(opt.valid, losses, 0.0)
         else:
             row_weights = torch.full((h.shape[0],), 1.0 if opt.weight_scale is None else opt.weight_scale,
@@ -91,9 +105,12 @@ class _ChunkedCE(torch.autograd.Function):
 
 
 def _check(hidden, weight, labels, bias, reduction, chunk_size, label_smoothing, logit_softcap, z_loss,
-           num_items_in_batch):
+           num_items_in_batch, accuracy=None):
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction={reduction!r}: use one of {', '.join(map(repr, _REDUCTIONS))}")
+    if accuracy is not None and accuracy not in POLICIES:
+        raise ValueError(f"accuracy={accuracy!r}: use one of {', '.join(map(repr, POLICIES))}, or None for "
+                         f"'compact'")
     if num_items_in_batch is not None and reduction != "mean":
         raise ValueError(f"num_items_in_batch replaces the token count of reduction='mean'; with "
                          f"reduction={reduction!r} leave it out (divide the result yourself)")
@@ -139,18 +156,19 @@ def items(num_items_in_batch, dtype) -> float:
 
 
 def run(hidden, weight, labels, bias, *, ignore_index, reduction, num_items_in_batch, chunk_size,
-         label_smoothing, logit_softcap, z_loss, logit_scale, stats, out_dtype=None):
+         label_smoothing, logit_softcap, z_loss, logit_scale, stats, out_dtype=None, accuracy=None):
     # One gather for the whole forward, never per chunk (and by every rank, even with nothing to compute).
     with zero3.gathered(weight, bias):
         _check(hidden, weight, labels, bias, reduction, chunk_size, label_smoothing, logit_softcap, z_loss,
-               num_items_in_batch)
+               num_items_in_batch, accuracy)
         vocab, size = weight.shape
         flat_labels = labels.reshape(-1)
         valid = flat_labels != ignore_index
         h = hidden.reshape(-1, size)
-        # Low-precision weights and a scalar reduction take the blocked path (``blocked_pass``): every row, ignored
-        # ones weighted 0, so neither the hidden states nor their gradient is copied.
-        blocked = reduction != "none" and weight.dtype in LOW_PRECISION
+        # Low-precision weights and a scalar reduction take the fused or the blocked path: every row, ignored ones
+        # weighted 0, so neither the hidden states nor their gradient is copied.
+        path = choose_path(weight.device.type, weight.dtype, reduction)
+        blocked = path != "chunked"
         if blocked:
             meta = hidden.device.type == "meta"  # benchmarks/bench_ce_bytes.py: shapes, no values
             if not meta and bool((valid & ((flat_labels < 0) | (flat_labels >= vocab))).any()):
@@ -181,7 +199,7 @@ def run(hidden, weight, labels, bias, *, ignore_index, reduction, num_items_in_b
         opt = Options(chunk_size or default_chunk_size(vocab, weight.device.type), float(label_smoothing),
                        logit_softcap, float(z_loss), float(logit_scale), weight_scale, stats,
                        torch.promote_types(weight.dtype, torch.float32), valid if blocked else None,
-                       chunk_size is not None)
+                       chunk_size is not None, path, accuracy or "compact")
         out, correct, entropy = _ChunkedCE.apply(h_valid, weight, bias, y, opt)
     if reduction == "none":
         full = out.new_zeros(flat_labels.shape)
