@@ -24,8 +24,21 @@ REST_OF_FULL_TIER = -m "(distributed or slow) and not smoke"
 
 # uv installs (about 25 s a stack where pip took about 55: parallel, its cache shared by every stack's build), in a
 # tools environment of its own. torch comes from the machine's CPU build, fetched once by pip (which knows where it
-# lies): an unpinned torch, or one from the registry, would be a multi-GB CUDA build. Bytecode is compiled at install:
-# a machine that sets PYTHONDONTWRITEBYTECODE would otherwise compile torch in every rank of every run.
+# lies): an unpinned torch, or one from the registry, would be a multi-GB CUDA build.
+# Bytecode is written by the first import of each module, not at install: compiling a stack's 13,000 files took 60 -
+# 90 s of both cores where a session's imports compile about 3,000 (20 CPU s). A machine that sets
+# PYTHONDONTWRITEBYTECODE (this one does) would then compile torch again in every rank of every run: not for
+# make's commands.
+unexport PYTHONDONTWRITEBYTECODE
+# DeepSpeed's CPU communication op (zerofix.check.host.prebuild) is compiled through ccache where it is installed
+# (torch's extension builder prepends it by itself): seven stacks pin DeepSpeed 0.19.8, whose op then compiles
+# once. Paths under the checkout are hashed relative to the build folder (.venvs/<stack>/.torch_extensions/...),
+# the same in every stack.
+export CCACHE_DIR ?= $(CURDIR)/.venvs/.ccache
+export CCACHE_BASEDIR ?= $(CURDIR)
+# pip inside a stack's environment only where a test runs it (accelerate's sdist, a wheel of zerofix) or a framework
+# may: `python -m venv` seeds it for 10 s a stack
+without_pip = $(if $(filter 2025-12 2025-10 2025-01 2024-11 trl151-ds0154 trl160 trl1100 trl1142,$(1)),--without-pip)
 UV_VERSION = 0.13.9
 UV = .venvs/.tools/bin/uv
 TORCH_WHEELS = .venvs/.wheels
@@ -42,12 +55,12 @@ $(TORCH_WHEELS)/.fetched:
 
 .venvs/%/.installed: constraints/%.txt setup.cfg setup.py | $(UV) $(TORCH_WHEELS)/.fetched
 	@echo "== building .venvs/$* from constraints/$*.txt"
-	$(PYTHON) -m venv .venvs/$*
+	$(PYTHON) -m venv $(call without_pip,$*) .venvs/$*
 	# torch first, the CPU build (pinned by the constraints too)
-	$(UV) pip install -q --python .venvs/$*/bin/python --compile-bytecode -c constraints/$*.txt \
+	$(UV) pip install -q --python .venvs/$*/bin/python -c constraints/$*.txt \
 		$(TORCH_WHEELS)/torch-2.13.0+cpu-*.whl setuptools wheel
 	# compat: the checkout on sys.path, so a folder named zerofix beside a script cannot shadow the package
-	$(UV) pip install -q --python .venvs/$*/bin/python --compile-bytecode --no-build-isolation -c constraints/$*.txt \
+	$(UV) pip install -q --python .venvs/$*/bin/python --no-build-isolation -c constraints/$*.txt \
 		$(call resolution,$*) -e '.[$(call extras,$*)]' --config-settings editable_mode=compat
 	# torchaudio's wheels on the registry are CUDA builds (none for torch 2.13): its native libraries cannot load
 	# beside the CPU torch, and without them its Python part imports (LLaMA-Factory imports it at start-up)

@@ -50,6 +50,24 @@ def stack_pins(name: str) -> dict[str, str]:
     return pins
 
 
+# The order in which CI (.ci/run) runs the stacks: a test about one catalogue entry that needs no more than one stack
+# in its range runs on the first of them (home_stack), so that it runs once in CI and on the newest releases it can.
+CI_ORDER = ("latest", "2026-04", "2025-12", "2025-10", "2025-01", "2024-11", "trl151-ds0154", "trl160", "trl1100",
+            "trl1142", "swift", "llamafactory", "axolotl")
+
+
+def home_stack(dist: str, affected: str, needs=()) -> str | None:
+    """The first stack of CI_ORDER whose pin of ``dist`` is in ``affected`` and that pins every dist of ``needs``."""
+    from zerofix import versions
+
+    for name in CI_ORDER:
+        pins = stack_pins(name)
+        if (dist in pins and versions.version_in_range(pins[dist], affected)
+                and all(need in pins for need in needs)):
+            return name
+    return None
+
+
 def installed(dist: str) -> str | None:
     try:
         return metadata.version(dist).split("+")[0]
@@ -72,6 +90,9 @@ def detect_stack() -> str | None:
 def pytest_addoption(parser):
     parser.addoption("--stack", default="auto",
                      help="stack whose regression tests run (default: detected from installed versions)")
+    parser.addoption("--own", action="store_true",
+                     help="only the tests that name this stack in their stack mark (CI on every stack but latest, "
+                          "which runs the rest once)")
 
 
 def pytest_configure(config):
@@ -100,6 +121,13 @@ def pytest_collection_modifyitems(config, items):
         elif item.get_closest_marker("stack_independent") and stack not in (None, "latest"):
             item.add_marker(pytest.mark.skip(reason="depends on no library the stacks differ in (torch is the same build "
                                                     "on every stack): runs on latest (CI time)"))
+    if config.getoption("--own"):
+        # CI on every stack but latest: a stack runs the tests about its own releases (those whose stack mark names
+        # it); a test with no stack mark depends on no release a stack pins apart, and runs once, on latest.
+        others = [item for item in items if stack not in _named_stacks(item)]
+        if others:
+            config.hook.pytest_deselected(items=others)
+            items[:] = [item for item in items if item not in others]
     # A smoke test that re-runs a few cells of its module's matrix is only worth its time when the matrix
     # itself is not selected (the fast tier): next to the full tier it would train the same cells twice.
     full = {item.module.__name__ for item in items
@@ -111,6 +139,11 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if item not in redundant]
     config._zerofix_requests = [r for item in items if not item.get_closest_marker("skip")
                                 for r in declared_requests(item, stack)]
+
+
+def _named_stacks(item) -> tuple:
+    marker = item.get_closest_marker("stack")
+    return marker.args if marker else ()
 
 
 def uses(builder):

@@ -131,6 +131,36 @@ def test_the_trainers_log_line_says_not_covered():
     assert fsdp == ["zerofix: 1 fix acts on this run (through FSDP2): transformers-trainer-scaling (transformers 5.23.0)"]
 
 
+def test_the_log_names_only_the_sequence_parallel_entry_as_acting_on_a_sequence_parallel_run():
+    """Issue 69: the start line named deepspeed-manual-accumulation as acting on a DeepSpeed Ulysses run, and the next
+    line said it was not covered there. On that path only transformers-deepspeed-sp-loss acts; the Trainer's and
+    DeepSpeed's entries stand aside and say so; TRL's act where TRL's loss runs (any path)."""
+    from zerofix.patching import Record
+    from zerofix.trainer_report import summary_lines
+
+    def record(fix_id, dist):
+        return Record(fix_id, "applied", dist, "1.0", ">=0", "")
+
+    records = [record("transformers-trainer-scaling", "transformers"), record("transformers-deepspeed-sp-loss",
+               "transformers"), record("deepspeed-manual-accumulation", "deepspeed"),
+               record("trl-grpo-window-normalisation", "trl")]
+    sp = paths.Path("sequence parallel (sp_size=2, deepspeed)", False)
+    said = summary_lines(records, deepspeed=True, path=sp)
+    assert said[:2] == [
+        "zerofix: transformers-trainer-scaling stands aside on this run, not covered: sequence parallel (sp_size=2, "
+        "deepspeed): the Trainer's own scaling runs unchanged",
+        "zerofix: deepspeed-manual-accumulation stands aside on this run, not covered: sequence parallel (sp_size=2, "
+        "deepspeed): DeepSpeed's own accumulation runs unchanged"], said
+    # the SP entry and TRL's are named once a step used them (their own lines), never on the start line
+    assert said[2:] == ["zerofix: 0 fixes act on this run (through DeepSpeed): none"], said
+    assert paths.stands_aside("transformers-deepspeed-sp-loss", "transformers", sp) is False
+    assert paths.stands_aside("trl-grpo-window-normalisation", "trl", sp) is False
+    # on context parallelism nothing models the path: the SP entry stands aside too
+    cp = paths.Path("context parallel (cp_size=2, torch)", False)
+    assert paths.stands_aside("transformers-deepspeed-sp-loss", "transformers", cp) is True
+    assert paths.stands_aside("deepspeed-manual-accumulation", "deepspeed", paths.Path("DeepSpeed ZeRO-2", True)) is False
+
+
 def sp_trainer(stage=2, world=2, sp=2, reduce_scatter=True, prescale=False, predivide=1.0, quantized=False, **pc):
     """A Trainer under DeepSpeed Ulysses as paths.sequence_parallel_path reads it (accelerate's ParallelismConfig,
     DeepSpeed's engine attributes and accessors)."""

@@ -14,6 +14,7 @@ failed here; the reason).
 
     .venvs/<stack>/bin/python tools/count_survey.py            # the Markdown table of docs/count-survey.md
     .venvs/<stack>/bin/python tools/count_survey.py --check    # exit 1 when the docs' table for this stack differs
+    .venvs/<stack>/bin/python tools/count_survey.py --write    # replace this stack's section of the docs
 
 tests/test_count_survey.py regenerates the table on each stack that has one in the docs.
 """
@@ -165,10 +166,58 @@ def survey() -> list[tuple[str, str]]:
     for name in head_classes():
         cls = _safe_get(transformers, name)
         if cls is not None and says_no_count(cls):
-            with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-                warnings.simplefilter("ignore")
-                rows.append((name, verdict_of(cls)))
+            rows.append((name, _quietly(verdict_of, cls)))
     return rows
+
+
+def _quietly(fn, *args):
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        return fn(*args)
+
+
+def _calls(source: str, name: str) -> list[str]:
+    """The argument text of every call ``name(...)`` in ``source`` (parentheses balanced)."""
+    found, start = [], 0
+    while (at := source.find(name + "(", start)) >= 0:
+        depth, i = 0, at + len(name)
+        for i in range(at + len(name), len(source)):
+            depth += {"(": 1, ")": -1}.get(source[i], 0)
+            if depth == 0:
+                break
+        found.append(source[at + len(name) + 1:i])
+        start = i
+    return found
+
+
+def computes_its_loss_without_the_count(cls) -> bool:
+    """Issue 69, item 3: whether a head the Trainer hands the count computes its loss in its own ``forward`` without
+    passing the count on: a ``loss_function(...)`` call with neither ``**kwargs`` nor ``num_items_in_batch`` (VipLlava's
+    pattern), or an inline cross-entropy. Read from the source only to choose what to measure; the table's verdict is
+    measured (``verdict_of``)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    calls = _calls(source, "loss_function")
+    dropped = any("**" not in args and "num_items_in_batch" not in args for args in calls)
+    inline = "CrossEntropyLoss(" in source or "cross_entropy(" in source
+    return dropped or inline
+
+
+def handed_survey() -> tuple[list[tuple[str, str]], int]:
+    """The heads the Trainer hands the count whose forward computes its loss without it: (rows, heads read)."""
+    import transformers
+
+    rows, read = [], 0
+    for name in head_classes():
+        cls = _safe_get(transformers, name)
+        if cls is None or says_no_count(cls):
+            continue
+        read += 1
+        if computes_its_loss_without_the_count(cls):
+            rows.append((name, _quietly(verdict_of, cls)))
+    return rows, read
 
 
 def table(rows, others: int) -> str:
@@ -189,9 +238,31 @@ def table(rows, others: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def handed_table(rows, read: int) -> str:
+    """Issue 69, item 3: the heads the Trainer hands the count, by what their forward does with it."""
+    lines = ["", "#### The heads it hands the count whose forward computes the loss without it", "",
+             f"Of the {read} heads the Trainer hands the count, {len(rows)} compute their loss in their own forward "
+             "without passing it on (a `loss_function` call without it, or an inline cross-entropy; read from the "
+             "source, then measured as above); in the others' forwards the source shows no such call.", ""]
+    if not rows:
+        return "\n".join(lines) + "\n"
+    lines += ["| head class | loss when handed the count | with zerofix |", "|---|---|---|"]
+    effect = {"divided": "the window's token mean, as upstream (the count reaches its loss another way)",
+              THROUGH_LOSS_FUNCTION: "the window's token mean (zerofix hands the count on to the loss function it "
+                                     "calls, in windows whose micro-batches count unlike)",
+              OWN_MEAN_WEIGHED: "the window's token mean (its inline mean proven from its logits and weighed)",
+              # the Trainer, believing the count reaches the loss, divides by nothing: upstream sums GAS micro-batch means
+              "independent": "the mean of means (upstream: GAS times it), said at WARNING where micro-batches count "
+                             "differently",
+              "unknown": "upstream's update, said at WARNING"}
+    for name, verdict in rows:
+        lines.append(f"| `{name}` | {verdict} | {effect.get(verdict, 'decided at the first step of a run')} |")
+    return "\n".join(lines) + "\n"
+
+
 def current() -> str:
     rows = survey()
-    return table(rows, len(head_classes()) - len(rows))
+    return table(rows, len(head_classes()) - len(rows)) + handed_table(*handed_survey())
 
 
 def documented(version: str) -> str | None:
@@ -206,6 +277,7 @@ def documented(version: str) -> str | None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="exit 1 when docs/count-survey.md's table differs")
+    p.add_argument("--write", action="store_true", help="write this stack's section into docs/count-survey.md")
     args = p.parse_args(argv)
     import resource
 
@@ -214,6 +286,11 @@ def main(argv=None) -> int:
     import transformers
 
     text = current()
+    if args.write:
+        doc, old = DOC.read_text(), documented(transformers.__version__)
+        if old is None:
+            raise SystemExit(f"docs/count-survey.md has no section for transformers {transformers.__version__}")
+        DOC.write_text(doc.replace(old, text, 1))
     if not args.check:
         sys.stdout.write(text)
         return 0

@@ -142,6 +142,25 @@ def engine_path(engine) -> Path:
     return Path(f"DeepSpeed ZeRO-{stage}", True)
 
 
+# An entry that models a path the others do not, by the start of the path's name (paths.accelerate_path's, which the
+# Trainer's log reads before any step): the Trainer under DeepSpeed Ulysses is transformers-deepspeed-sp-loss's alone
+MODELS_ALONE = {"transformers-deepspeed-sp-loss": ("sequence parallel (sp_size=",)}
+
+# Entries that check the path they run on and stand aside elsewhere (the Trainer's, DeepSpeed's and accelerate's);
+# TRL's entries act inside TRL's own loss, on any path
+PATH_AWARE = ("transformers", "deepspeed", "accelerate")
+
+
+def stands_aside(fix_id: str, dist: str, path: Path) -> bool:
+    """Whether an applied entry stands aside on ``path`` (issue 69: the log's first line named an entry as acting on a
+    sequence-parallel run whose next line said it was not covered)."""
+    if path.covered:
+        return False
+    if fix_id in MODELS_ALONE:
+        return not path.name.startswith(MODELS_ALONE[fix_id])
+    return dist in PATH_AWARE
+
+
 # fix id -> the uncovered paths it stood aside on, in this process (for zerofix status)
 _stood_aside: dict[str, list[str]] = {}
 

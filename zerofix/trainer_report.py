@@ -121,14 +121,16 @@ def summary_lines(records, *, deepspeed: bool = True, trl: bool = True, path=Non
     # used_lines), never here
     later = _switch_ids() | set(_used())
     acting = [r for r in applied if acts_in(r, deepspeed=deepspeed, trl=trl) and r.id not in later]
-    aside = [r for r in acting if r.dist == "transformers"] if path is not None and not path.covered else []
+    aside = [r for r in acting if path is not None and _stands_aside(r, path)]
     acting = [r for r in acting if r not in aside]
     rest = [r for r in applied if r not in acting and r not in aside and r.id not in later]
     names = ", ".join(f"{r.id} ({r.dist} {r.installed})" for r in acting) or "none"
     where = "this run (through DeepSpeed)" if deepspeed else "this run (no DeepSpeed)"
     if path is not None and path.covered and path.name.startswith("FSDP"):
         where = f"this run (through {path.name})"
-    lines = [f"zerofix: {r.id} stands aside on this run, {path}: the Trainer's own scaling runs unchanged"
+    own = {"transformers": "the Trainer's own scaling", "deepspeed": "DeepSpeed's own accumulation",
+           "accelerate": "accelerate's own code"}
+    lines = [f"zerofix: {r.id} stands aside on this run, {path}: {own.get(r.dist, 'upstream')} runs unchanged"
              for r in aside]
     lines.append(f"zerofix: {len(acting)} fix{'' if len(acting) == 1 else 'es'} act{'s' if len(acting) == 1 else ''} "
                  f"on {where}: {names}")
@@ -138,6 +140,12 @@ def summary_lines(records, *, deepspeed: bool = True, trl: bool = True, path=Non
     if failed:
         lines.append(f"zerofix: not applied in this process{broken}")
     return lines
+
+
+def _stands_aside(record, path) -> bool:
+    from zerofix import paths  # a plain module (no ML library)
+
+    return paths.stands_aside(record.id, record.dist, path)
 
 
 def engine_lines(records, seen: set) -> list[str]:

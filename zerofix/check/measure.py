@@ -4,7 +4,6 @@ one batch (one session of ranks per rank count, ``zerofix.check.runner``), each 
 the other jobs' rows are still measured."""
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -43,8 +42,10 @@ def run(plan: plans.Plan, *, workdir: Path, timeout: float, found: dict, progres
                 read[name] = reader.submit(_read, planned[name], batch)
 
     # The references' libraries, imported while the session's launcher imports its own on the other core: the
-    # reader would otherwise import them later, on a core the ranks train on.
-    threading.Thread(target=_import_reference_libraries, daemon=True).start()
+    # reader would otherwise import them later, on a core the ranks train on. The reader's own first task, so that
+    # no read runs beside it: two threads importing from transformers' lazy module at once lose names ("cannot
+    # import name 'LlamaConfig' from 'transformers'", measured on 5.0.0 whenever a job was read mid-import).
+    reader.submit(_import_reference_libraries)
     batch = runner.Batch(Path(workdir) / "runs", progress=progress, on_outcome=on_outcome, fork=True)
     for job_plan in planned.values():
         batch.add(*job_plan.requests)
