@@ -202,7 +202,12 @@ def run(kind, nproc=1, extra_env=None):
 def _plain_env() -> dict:
     import os
 
-    return {k: v for k, v in os.environ.items() if not k.startswith(("ZEROFIX", "_ZEROFIX"))}
+    from zerofix.check.host.env import scenario_env
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZEROFIX", "_ZEROFIX"))}
+    ranks_env = scenario_env()  # DeepSpeed's CPU op where this stack built it (tests/test_trainer_sequence_parallel.py)
+    env.update(TORCH_EXTENSIONS_DIR=ranks_env["TORCH_EXTENSIONS_DIR"], PATH=ranks_env["PATH"])
+    return env
 
 
 @pytest.mark.slow

@@ -24,6 +24,8 @@ import sys
 
 import pytest
 
+from zerofix.check.host.env import scenario_env
+
 pytestmark = pytest.mark.distributed
 SP_STACKS = ("latest", "2025-12")  # transformers >= 5.0 with accelerate >= 1.12: the path exists (2026-04: below)
 EXACT = 1e-6
@@ -61,7 +63,12 @@ FOUR_RANKS = [{"zero": 1, "gas": 2}, {"zero": 2, "gas": 2}, {"zero": 3, "gas": 2
 
 def launch(tmp_path, nproc: int, cells: list[dict], variants: str) -> tuple[list[dict], list[dict], str]:
     out = tmp_path / f"sp{nproc}-{variants.replace(',', '-')}"
+    # the caller's environment (zerofix's INFO lines are read below), less ZEROFIX*; DeepSpeed's CPU op in this stack's
+    # own extensions folder and its ninja first, as the ranks of every other launch have them (built ahead by `make
+    # warm`: torch's shared default folder was rebuilt by each stack in turn, 40 - 60 s of both cores)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZEROFIX", "_ZEROFIX"))}
+    ranks_env = scenario_env()
+    env.update(TORCH_EXTENSIONS_DIR=ranks_env["TORCH_EXTENSIONS_DIR"], PATH=ranks_env["PATH"])
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                            str(nproc), "-m", "zerofix.check.scenarios.sequence_parallel", "--out", str(out),
                            "--variants", variants, "--cells", json.dumps(cells)],

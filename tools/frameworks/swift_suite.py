@@ -27,6 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import fw_measure  # noqa: E402
+import tiny_vlm  # noqa: E402
 
 # row -> (swift subcommand arguments, dataset file)
 ROWS = {
@@ -53,7 +54,13 @@ ROWS = {
     "grpo-bnpo": (["rlhf", "--rlhf_type", "grpo", "--loss_type", "bnpo", "--external_plugins", "{work}/length_reward.py",
                    "--reward_funcs", "length", "--num_generations", "2", "--max_completion_length", "12",
                    "--use_vllm", "false", "--temperature", "1.0"], "prompts.jsonl"),
+    # vision-language models with images (issue 67, item 4): tiny_vlm's Qwen2-VL / Qwen2.5-VL and its SFT data (ms-swift's
+    # own format: `<image>` in the user's turn, the picture under "images"), ms-swift's template for the family
+    "vlm": (["sft", "--model_type", "qwen2_vl", "--template", "qwen2_vl"], "vlm.jsonl"),
+    "vlm25": (["sft", "--model_type", "qwen2_5_vl", "--template", "qwen2_5_vl"], "vlm.jsonl"),
 }
+# row -> the folder of its model (tiny_vlm's family), where not tiny_model's Llama
+FAMILY = {"vlm": "qwen2_vl", "vlm25": "qwen2_5_vl"}
 LENGTH_REWARD = '''from swift.rewards.orm import ORM, orms
 
 
@@ -69,8 +76,10 @@ orms["length"] = Length
 
 
 def prepare(work: Path) -> None:
-    """GRPO's reward plugin and its prompts (the SFT samples' user turns: 4 prompts x 2 completions make 8)."""
+    """GRPO's reward plugin and its prompts (the SFT samples' user turns: 4 prompts x 2 completions make 8); the
+    vision-language rows' models and data."""
     (work / "length_reward.py").write_text(LENGTH_REWARD)
+    tiny_vlm.build(work, tuple(FAMILY.values()), qwen_ids=True)  # the ids ms-swift's template expands
     sixteen = (work / "sft16.jsonl").read_text().splitlines()
     (work / "sft10.jsonl").write_text("".join(line + "\n" for line in sixteen[:10]))
     for name, count in (("prompts.jsonl", 4), ("prompts16.jsonl", 8)):
@@ -101,7 +110,8 @@ def command(work: Path, row: str, out: Path, gas: int, batch: int, layout: str |
     # one SGD step; a short-window row: one epoch (two steps), its weights after both
     steps = ["--max_steps", "-1", "--num_train_epochs", "1", "--save_steps", "2"] if row == "sft-short" else \
         ["--max_steps", "1", "--save_steps", "1"]
-    return [swift, *sub, *extra, "--model", str(work / "model"), "--model_type", "llama", "--template", "chatml",
+    model = [] if row in FAMILY else ["--model_type", "llama", "--template", "chatml"]  # a VLM row names its own
+    return [swift, *sub, *extra, "--model", str(work / FAMILY.get(row, "model")), *model,
             "--dataset", str(work / data), "--tuner_type", "full", "--torch_dtype", "float32", "--fp16", "false",
             "--bf16", "false", "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", str(gas),
             *steps, "--learning_rate", "1", "--optim", "sgd", "--lr_scheduler_type", "constant",
@@ -115,6 +125,7 @@ FRAMEWORK = fw_measure.Framework(
     name="swift", rows=tuple(ROWS), judged=frozenset(ROWS) - {"kto"}, command=command,
     two_process_env=lambda: {"NPROC_PER_NODE": "2"},  # ms-swift launches torchrun itself
     weights="*/checkpoint-*/model.safetensors", prepare=prepare,  # one checkpoint a run: its last step's
+    model_of=lambda work, row: work / FAMILY.get(row, "model"),
     base_env={"MODELSCOPE_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
 
 if __name__ == "__main__":

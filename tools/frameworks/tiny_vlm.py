@@ -34,10 +34,38 @@ TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% 
 SIDE = 56  # pixels: 4 x 4 patches of 14, merged 2 x 2 into 4 image tokens
 
 
-def tokenizer():
-    tok = tiny_model.tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": VISION})
+# Qwen's own ids of the vision tokens: ms-swift's Qwen2-VL template expands an image's one placeholder into its grid's
+# tokens only where the placeholder has id 151655 (its class attribute `image_token_id`), and then scatters the vision
+# features over whatever placeholders there are without counting them. A vocabulary that gives the placeholder
+# another id trains each sample on the batch's first features (issue 67, item 4: the 1-2e-2 "difference" of ms-swift's
+# Qwen2-VL rows): the swift suite's models put the tokens here (the ids between stay unused).
+QWEN_IDS = {"<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|image_pad|>": 151655, "<|video_pad|>": 151656}
+
+
+def tokenizer(qwen_ids: bool = False):
+    if not qwen_ids:
+        tok = tiny_model.tokenizer()
+        tok.add_special_tokens({"additional_special_tokens": VISION})
+        return tok
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(tiny_model.SPECIALS)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    vocab.update(QWEN_IDS)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(tiny_model.SPECIALS + VISION)
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="<|im_end|>",
+                                  unk_token=None, additional_special_tokens=VISION)
+    tok.chat_template = tiny_model.CHATML
     return tok
+
+
+def _vocab_size(tok) -> int:
+    return max(tok.get_vocab().values()) + 1  # a vocabulary with unused ids counts them
 
 
 def _text(family: str, vocab: int, tok) -> dict:
@@ -65,16 +93,16 @@ def _vision(family: str) -> dict:
             "deepstack_visual_indexes": []}
 
 
-def build_model(out: Path, family: str) -> Path:
+def build_model(out: Path, family: str, qwen_ids: bool = False) -> Path:
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tok = tokenizer()
+    tok = tokenizer(qwen_ids)
     ids = {name: tok.convert_tokens_to_ids(name) for name in VISION}
     config = AutoConfig.for_model(
-        family, text_config=_text(family, len(tok), tok), vision_config=_vision(family),
+        family, text_config=_text(family, _vocab_size(tok), tok), vision_config=_vision(family),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False)
@@ -110,10 +138,10 @@ def build_data(out: Path) -> None:
                                 "images": [str(path)]}) + "\n")
 
 
-def build(out: Path, families=FAMILIES) -> None:
+def build(out: Path, families=FAMILIES, qwen_ids: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for family in families:
-        build_model(out, family)
+        build_model(out, family, qwen_ids)
     build_data(out)
 
 
