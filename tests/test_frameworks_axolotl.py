@@ -37,10 +37,13 @@ def test_axolotl_sft_lora_and_packing_train_the_token_mean_with_zerofix(tmp_path
     ``axolotl-withheld-count`` records that axolotl's code set the flag and the Trainer entry hands the count, checked at
     every step: the big batch's update, said once in axolotl's console as the entry's line."""
     tool = conftest_tool("frameworks/axolotl_suite").FRAMEWORK
-    assert tool.main([str(tmp_path), "sft", "lora", "packing", "--jobs", "2"]) == 0
+    # CI time (issue 68): SFT and LoRA (PEFT's wrapper in the path) here; packing, measured the same way, is the tool's
+    # row (docs/frameworks.md): `axolotl_suite.py OUT packing`
+    rows = ("sft", "lora")
+    assert tool.main([str(tmp_path), *rows, "--jobs", "2"]) == 0
     print(capsys.readouterr().out)
     results = {r["row"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
-    for row in ("sft", "lora", "packing"):
+    for row in rows:
         plain, fixed = results[row]["plain"], results[row]["zerofix"]
         assert "error" not in plain and "error" not in fixed, (row, plain, fixed)
         assert plain["rel"] > 0.1 and plain["cosine"] < 0.95, (row, plain)  # upstream: a mean of micro-batch means
