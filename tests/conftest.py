@@ -129,7 +129,7 @@ def pytest_collection_modifyitems(config, items):
         others = [item for item in items if stack not in _named_stacks(item)]
         if others:
             config.hook.pytest_deselected(items=others)
-            items[:] = [item for item in items if item not in others]
+            items[:] = [item for item in items if stack in _named_stacks(item)]
     # A smoke test that re-runs a few cells of its module's matrix is only worth its time when the matrix
     # itself is not selected (the fast tier): next to the full tier it would train the same cells twice.
     full = {item.module.__name__ for item in items
