@@ -60,7 +60,7 @@ def cells(stack: str, tmp_path) -> list[dict]:
 def run(stack, tmp_path, nproc, names=None):
     chosen = [c for c in cells(stack, tmp_path) if names is None or c["name"] in names]
     request = builders.trainer_request(chosen, nproc=nproc, name=f"own-mean-heads-{nproc}")
-    return chosen, runner.alone(request, tmp_path / f"run{nproc}")
+    return chosen, runner.alone(request, tmp_path / f"run{nproc}", fork=True)
 
 
 @pytest.mark.stack("2026-04", "2025-10")
@@ -94,7 +94,7 @@ def test_own_mean_heads_with_images(stack, tmp_path):
         results = {}
         for cells in (handed, inline):  # Gemma 3 in a session of its own (see below)
             request = builders.trainer_request(cells, nproc=nproc, name=f"own-mean-images-{cells[0]['name']}-{nproc}")
-            results.update(runner.alone(request, tmp_path / f"{cells[0]['name']}-{nproc}"))
+            results.update(runner.alone(request, tmp_path / f"{cells[0]['name']}-{nproc}", fork=True))
         for kind, result in results.items():
             bug, fixed = result["unpatched"], result["patched"]
             runtime = fixed["rank_runtime"][0][ENTRY][-1]
@@ -112,7 +112,8 @@ def test_own_mean_heads_with_images_on_every_engine(stack, tmp_path, engine):
     embeddings: under ZeRO-3 the harness reads that weight under both names)."""
     options = {"zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3), "fsdp2": dict(fsdp=2)}[engine]
     cells = [{"name": k, "model": k, "gas": 4, "lr": 5.0} for k in ("qwen3vl-image", "gemma3-image")]
-    results = runner.alone(builders.trainer_request(cells, nproc=2, name=f"own-mean-{engine}", **options), tmp_path)
+    results = runner.alone(builders.trainer_request(cells, nproc=2, name=f"own-mean-{engine}", **options), tmp_path,
+                           fork=True)
     for kind, result in results.items():
         bug, fixed = result["unpatched"], result["patched"]
         print(f"{kind} {engine} on {stack}: unpatched {bug['ratio']:.4f}, patched {fixed['ratio']:.4f} "
@@ -193,7 +194,7 @@ def test_a_head_whose_forward_drops_the_count_reaches_the_token_mean_by_behaviou
     for nproc in (1, 2):
         cells = [{"name": "vipllava-image", "model": "vipllava-image", "gas": 4, "lr": 5.0}]
         result = runner.alone(builders.trainer_request(cells, nproc=nproc, name=f"vipllava-{nproc}"),
-                              tmp_path / f"vipllava-{nproc}")["vipllava-image"]
+                              tmp_path / f"vipllava-{nproc}", fork=True)["vipllava-image"]
         bug, fixed = result["unpatched"], result["patched"]
         runtime = fixed["rank_runtime"][0][ENTRY][-1]
         warned = [w for w in fixed["warnings"][0] if w.startswith("zerofix:")]

@@ -111,7 +111,8 @@ def one_run(engine: str, dtype: str, nproc: int, cuda: bool = True, cells=None) 
     request = dataclasses.replace(request, interpret=_one_at_a_time(request.interpret))
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            results = runner.alone(request, Path(tmp))
+            # on the CPU its ranks are forked after one import, as the check's are (CUDA does not survive a fork)
+            results = runner.alone(request, Path(tmp), fork=not cuda)
         except Exception as exc:  # noqa: BLE001 - a row that cannot run says why
             return [{"engine": engine, "dtype": dtype, "error": short(f"{type(exc).__name__}: {exc}")}]
     out = []

@@ -164,9 +164,10 @@ class Batch:
         return request.interpret(self.folder(request), self.records(request))
 
 
-def alone(request: Request, folder: Path):
-    """One request in a session of its own, its files in ``folder`` (a test or a tool that needs nothing else)."""
-    batch = Batch(Path(folder) / ".session")
+def alone(request: Request, folder: Path, *, fork: bool = False):
+    """One request in a session of its own, its files in ``folder`` (a test or a tool that needs nothing else);
+    ``fork``: its ranks forked after one import, as the check's are (not on a GPU: CUDA does not survive a fork)."""
+    batch = Batch(Path(folder) / ".session", fork=fork)
     batch._folders[request.key] = Path(folder)
     return batch.result(request)
 
