@@ -25,12 +25,14 @@ pytestmark = [pytest.mark.distributed, pytest.mark.stack("llamafactory")]
 RIGHT = 1e-4
 
 
-def test_llamafactory_sft_dpo_and_zero3_are_right_with_zerofix_and_asft_is_closer_and_said(tmp_path, capsys):
+def test_llamafactory_zero3_sft_is_right_with_zerofix_and_asft_is_closer_and_said(tmp_path, capsys):
+    # CI time (issue 68): SFT under ZeRO-3 (the DeepSpeed engine in the path) and ASFT here; the plain SFT and DPO rows,
+    # measured the same way, are the tool's (docs/frameworks.md): `llamafactory_suite.py OUT sft dpo`
     tool = conftest_tool("frameworks/llamafactory_suite").FRAMEWORK
-    assert tool.main([str(tmp_path), "sft", "dpo", "asft", "sft@zero3", "--jobs", "2"]) == 0
+    assert tool.main([str(tmp_path), "asft", "sft@zero3", "--jobs", "2"]) == 0
     print(capsys.readouterr().out)
     results = {r["row"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
-    for row in ("sft", "dpo", "sft@zero3"):
+    for row in ("sft@zero3",):
         plain, fixed = results[row]["plain"], results[row]["zerofix"]
         assert "error" not in plain and "error" not in fixed, (row, plain, fixed)
         assert plain["rel"] < RIGHT and plain["ratio"] == pytest.approx(1.0, abs=1e-4), (row, plain)  # upstream: right
@@ -53,7 +55,7 @@ def test_llamafactory_sft_dpo_and_zero3_are_right_with_zerofix_and_asft_is_close
     assert not [line for line in asft["zerofix_lines"] if "scales it as a micro-batch mean" in line and
                 line not in said], asft["zerofix_lines"]  # one WARNING says both
 
-    for row in ("sft", "dpo", "asft"):  # docs/frameworks.md's generated table (llamafactory_suite.py --write-docs)
+    for row in ("asft",):  # docs/frameworks.md's generated table (llamafactory_suite.py --write-docs)
         assert tool.doc_rows().get(row) == tool.table_row(results[row]), (tool.doc_rows().get(row), results[row])
 
 
@@ -63,10 +65,12 @@ def test_llamafactory_vision_language_sft_trains_the_token_mean_with_zerofix(tmp
     records that the framework's code set it, and the Trainer entry hands the count and checks it at every step: the
     big batch's update with ``ZEROFIX=1`` alone, said once in LLaMA-Factory's console as the entry's line."""
     tool = conftest_tool("frameworks/llamafactory_suite").FRAMEWORK
-    assert tool.main([str(tmp_path), "vlm", "vlm-lora", "--jobs", "2"]) == 0
+    # CI time (issue 68): the full model here; LoRA, measured the same way, is the tool's row: `llamafactory_suite.py OUT
+    # vlm-lora`
+    assert tool.main([str(tmp_path), "vlm"]) == 0
     print(capsys.readouterr().out)
     results = {r["row"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
-    for row in ("vlm", "vlm-lora"):
+    for row in ("vlm",):
         plain, fixed = results[row]["plain"], results[row]["zerofix"]
         assert "error" not in plain and "error" not in fixed, (row, plain, fixed)
         assert plain["rel"] > 0.1 and plain["cosine"] < 0.99, (row, plain)  # upstream: a mean of micro-batch means

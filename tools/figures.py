@@ -226,12 +226,12 @@ MEASUREMENTS = {"status": measure_status, "check-2026-04": measure_check_2026_04
                 "check-quick": measure_check_quick, "own-config": measure_own_config, "trl-rows": measure_trl_rows, "make-test": measure_make_test,
                 "bench": measure_bench, "fresh-clone": measure_fresh_clone}
 
-CI_STEP = re.compile(r"^== make (?P<target>[\w-]+) STACK=(?P<stack>[\w.-]+): exit 0 in (?P<s>\d+) s$", re.M)
+CI_STEP = re.compile(r"^== (?:\[\w\] )?make (?P<target>[\w-]+) STACK=(?P<stack>[\w.-]+): exit 0 in (?P<s>\d+) s$", re.M)
 
 
 def from_ci(data, log: str, how: str):
     """CI's total and the full tier's time on latest (its two steps), from a log of `.ci/run`."""
-    total = re.search(r"^CI done in (\d+) s$", log, re.M)
+    total = re.search(r"^CI done in (\d+) s(?: \(exit 0\))?$", log, re.M)
     if not total:
         raise SystemExit("no 'CI done in N s' line: a log of a whole, green `.ci/run` is needed")
     steps = {(m["target"], m["stack"]): int(m["s"]) for m in CI_STEP.finditer(log)}
