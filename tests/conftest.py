@@ -23,15 +23,15 @@ from pathlib import Path
 
 import pytest
 
+from zerofix.check.host.env import interpreter_path  # os and sys only
+
 ROOT = Path(__file__).resolve().parents[1]
 # Every process a test starts (a fresh interpreter, a launcher, a framework's command line) builds and loads DeepSpeed's
 # CPU op in the stack's own folder with the stack's ninja, as the ranks do (zerofix.check.host.env): under torch's shared
 # default folder each stack rebuilt it in turn, 80 s of both cores in a test's setup on CI (2025-10's bf16 loss-scale
 # unit test).
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, ".torch_extensions"))
-os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable)]
-                                     + [p for p in os.environ.get("PATH", "").split(os.pathsep)
-                                        if p and p != os.path.dirname(sys.executable)])
+os.environ["PATH"] = interpreter_path(os.environ.get("PATH", ""))
 KEY_DISTS = ("torch", "transformers", "accelerate", "deepspeed", "trl")
 
 

@@ -1,5 +1,6 @@
 """How CI spreads the tests over the stacks (issue 68): every stack but latest runs only its own tests (``--own``),
-an entry's home stack is the first in CI's order with the entry in range, and CI's order is the one .ci/run runs."""
+an entry's home stack is the first in CI's order with the entry in range, and .ci/run's two lanes run every stack of
+CI's order once."""
 from __future__ import annotations
 
 import re
