@@ -32,6 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # unit test).
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, ".torch_extensions"))
 os.environ["PATH"] = interpreter_path(os.environ.get("PATH", ""))
+# One OpenMP thread in the test process and every process it starts, as in the ranks (zerofix.check.host.env): set
+# before anything imports torch (its OpenMP reads it once, at load). With a thread per core, each process's idle
+# thread spins waiting for work while the other processes beside it (two CI lanes, a session's ranks) need the cores:
+# measured on 2 cores beside another session, tests/test_losses*.py took 114 CPU s with the default, 37 with one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 KEY_DISTS = ("torch", "transformers", "accelerate", "deepspeed", "trl")
 
 

@@ -106,6 +106,72 @@ def test_leaves_import_no_zerofix_module(leaf):
     assert modules()[leaf] == set(), leaf
 
 
+MAX_LINES = 600  # issue 68: a module a reader can hold; past it, a module has more than one job
+
+
+def oversized(root) -> list[str]:
+    return [f"{p.relative_to(root)}: {n} lines" for p in sorted(root.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES]
+
+
+def test_no_module_is_over_the_line_limit(tmp_path):
+    assert oversized(PACKAGE) == []
+    (tmp_path / "small.py").write_text("x = 1\n" * MAX_LINES)  # the check itself: at the limit, and one line over
+    (tmp_path / "big.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    assert oversized(tmp_path) == [f"big.py: {MAX_LINES + 1} lines"]
+
+
+def private_reaches(sources: dict[str, str]) -> list[str]:
+    """Where a zerofix module uses another zerofix module's private name (``from m import _x`` or ``m._x`` through an
+    imported module): a sibling's private name is a promise nobody made (issue 68 found three fixes reaching into the
+    Trainer entry's ``_unwrap_peft``, ``_STEP`` and ``_warn_main``). A private *module* (``fixes._inspect``, shared
+    helpers of one package) is imported by its name and allowed."""
+    out = []
+    for name, text in sorted(sources.items()):
+        package = name if text.startswith("#package") else name.rpartition(".")[0]
+        tree = ast.parse(text)
+        local = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                if not base.startswith("zerofix"):
+                    continue
+                for alias in node.names:
+                    if f"{base}.{alias.name}" in sources:
+                        local[alias.asname or alias.name] = f"{base}.{alias.name}"
+                    elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                        out.append(f"{name}: from {base} import {alias.name}")
+            elif isinstance(node, ast.Import):
+                local.update({a.asname: a.name for a in node.names if a.name.startswith("zerofix") and a.asname})
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in local
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                out.append(f"{name}: {local[node.value.id]}.{node.attr}")
+    return out
+
+
+def package_sources() -> dict[str, str]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        if "_bootstrap" not in path.parts:
+            out[module_name(path)] = ("#package\n" if path.name == "__init__.py" else "") + path.read_text()
+    return out
+
+
+def test_no_module_uses_another_modules_private_names():
+    assert private_reaches(package_sources()) == []
+
+
+def test_the_private_name_check_finds_both_ways_of_reaching_in():
+    sources = {"zerofix.a": "_STEP = 1\n", "zerofix.fixes": "#package\n", "zerofix.fixes._inspect": "",
+               "zerofix.fixes.b": "from zerofix.a import _STEP\nfrom zerofix.fixes import _inspect\n",
+               "zerofix.fixes.c": "from zerofix import a\nfrom . import _inspect\nx = a._STEP + _inspect._y\n"}
+    assert private_reaches(sources) == ["zerofix.fixes.b: from zerofix.a import _STEP",
+                                        "zerofix.fixes.c: zerofix.a._STEP", "zerofix.fixes.c: zerofix.fixes._inspect._y"]
+
+
 # ----------------------------------------------------------------------------- the implementation contract
 def implementation_source(module: str) -> ast.Module:
     # Read, not imported: an implementation imports the library it patches.
