@@ -27,21 +27,38 @@ def module_name(path) -> str:
 
 
 @functools.lru_cache(maxsize=1)  # read once per session: the package does not change while the tests run
+def package_modules() -> dict[str, tuple[str, str]]:
+    """Every zerofix module -> (its source, the package its relative imports start from)."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        if "_bootstrap" not in path.parts:
+            name = module_name(path)
+            out[name] = (path.read_text(), name if path.name == "__init__.py" else name.rpartition(".")[0])
+    return out
+
+
+def import_base(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from ... import`` reads from, a relative one resolved against ``package``."""
+    base = node.module or ""
+    if not node.level:
+        return base
+    parts = package.split(".")
+    return ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+
+
+@functools.lru_cache(maxsize=1)
 def modules() -> dict[str, set[str]]:
     """Every zerofix module -> the zerofix modules it imports, at module level or inside a function (a lazy
     import is a dependency too). ``from zerofix import x`` names the submodule x when there is one."""
-    names = {module_name(p): p for p in PACKAGE.rglob("*.py") if "_bootstrap" not in p.parts}
+    names = package_modules()
     graph = {}
-    for name, path in names.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for name, (text, package) in names.items():
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = import_base(node, package)
                 for alias in node.names:
                     deps.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in names else base)
         graph[name] = {d for d in deps if d in names and d != name}
@@ -121,21 +138,18 @@ def test_no_module_is_over_the_line_limit(tmp_path):
     assert oversized(tmp_path) == [f"big.py: {MAX_LINES + 1} lines"]
 
 
-def private_reaches(sources: dict[str, str]) -> list[str]:
-    """Where a zerofix module uses another zerofix module's private name (``from m import _x`` or ``m._x`` through an
-    imported module): a sibling's private name is a promise nobody made (issue 68 found three fixes reaching into the
-    Trainer entry's ``_unwrap_peft``, ``_STEP`` and ``_warn_main``). A private *module* (``fixes._inspect``, shared
-    helpers of one package) is imported by its name and allowed."""
+def private_reaches(sources: dict[str, tuple[str, str]]) -> list[str]:
+    """Where a zerofix module (``sources``: as ``package_modules``) uses another zerofix module's private name
+    (``from m import _x`` or ``m._x`` through an imported module): a sibling's private name is a promise nobody made
+    (issue 68 found three fixes reaching into the Trainer entry's ``_unwrap_peft``, ``_STEP`` and ``_warn_main``). A
+    private *module* (``fixes._inspect``, shared helpers of one package) is imported by its name and allowed."""
     out = []
-    for name, text in sorted(sources.items()):
-        package = name if text.startswith("#package") else name.rpartition(".")[0]
+    for name, (text, package) in sorted(sources.items()):
         tree = ast.parse(text)
         local = {}
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = import_base(node, package)
                 if not base.startswith("zerofix"):
                     continue
                 for alias in node.names:
@@ -152,22 +166,16 @@ def private_reaches(sources: dict[str, str]) -> list[str]:
     return out
 
 
-def package_sources() -> dict[str, str]:
-    out = {}
-    for path in PACKAGE.rglob("*.py"):
-        if "_bootstrap" not in path.parts:
-            out[module_name(path)] = ("#package\n" if path.name == "__init__.py" else "") + path.read_text()
-    return out
-
-
 def test_no_module_uses_another_modules_private_names():
-    assert private_reaches(package_sources()) == []
+    assert private_reaches(package_modules()) == []
 
 
 def test_the_private_name_check_finds_both_ways_of_reaching_in():
-    sources = {"zerofix.a": "_STEP = 1\n", "zerofix.fixes": "#package\n", "zerofix.fixes._inspect": "",
-               "zerofix.fixes.b": "from zerofix.a import _STEP\nfrom zerofix.fixes import _inspect\n",
-               "zerofix.fixes.c": "from zerofix import a\nfrom . import _inspect\nx = a._STEP + _inspect._y\n"}
+    sources = {"zerofix.a": ("_STEP = 1\n", "zerofix"), "zerofix.fixes": ("", "zerofix.fixes"),
+               "zerofix.fixes._inspect": ("", "zerofix.fixes"),
+               "zerofix.fixes.b": ("from zerofix.a import _STEP\nfrom zerofix.fixes import _inspect\n", "zerofix.fixes"),
+               "zerofix.fixes.c": ("from zerofix import a\nfrom . import _inspect\nx = a._STEP + _inspect._y\n",
+                                   "zerofix.fixes")}
     assert private_reaches(sources) == ["zerofix.fixes.b: from zerofix.a import _STEP",
                                         "zerofix.fixes.c: zerofix.a._STEP", "zerofix.fixes.c: zerofix.fixes._inspect._y"]
 
