@@ -108,6 +108,9 @@ def pytest_addoption(parser):
     parser.addoption("--own", action="store_true",
                      help="only the tests that name this stack in their stack mark (CI on every stack but latest, "
                           "which runs the rest once)")
+    parser.addoption("--no-fork-server", action="store_true",
+                     help="every forked session starts its own interpreter, as zerofix check does (default: they "
+                          "fork from a server that imported the libraries once: zerofix.check.host.forkserver)")
 
 
 def pytest_configure(config):
@@ -120,6 +123,21 @@ def pytest_configure(config):
         raise pytest.UsageError(f"--stack {name} but this interpreter has {', '.join(stack_mismatches(name))}; "
                                 f"run it with .venvs/{name}/bin/python (make test STACK={name})")
     config._zerofix_stack = name
+    if not config.getoption("--no-fork-server"):
+        from zerofix.check import launch
+        from zerofix.check.host import forkserver
+
+        # The suite's forked sessions (the batch, each runner.alone) fork from a server that imported the libraries
+        # once per environment, instead of each starting an interpreter (8 - 12 CPU s of imports each; issue 68).
+        launch.fork_server = forkserver.Pool()
+
+
+def pytest_unconfigure(config):
+    from zerofix.check import launch
+
+    if launch.fork_server is not None:
+        launch.fork_server.close()
+        launch.fork_server = None
 
 
 def pytest_report_header(config):

@@ -29,6 +29,36 @@ def launches(batch, nproc: int = 2) -> list[str]:
     return sorted(p.name for p in (batch.root / f"session-{nproc}").glob("launch*"))
 
 
+# How a test's sessions start: torchrun's ranks; ranks forked by the session's own interpreter (zerofix check's way);
+# or that interpreter itself forked from a fork server (zerofix.check.host.forkserver: the suite's way), which serves
+# only sessions that import the libraries, hence the probe's import of torch there.
+HOW = ["torchrun", "forked", "served"]
+
+
+@pytest.fixture
+def fork_server(monkeypatch):
+    """A fork server of the test's own (the suite's is counted by every session, or off: --no-fork-server)."""
+    from zerofix.check.host import forkserver
+
+    pool = forkserver.Pool()
+    monkeypatch.setattr(launch, "fork_server", pool)
+    yield pool
+    pool.close()
+
+
+def started(how: str, folder, request) -> tuple[runner.Batch, dict]:
+    """A batch whose sessions start ``how``, and the probe options that go with it."""
+    if how == "served":
+        request.getfixturevalue("fork_server")
+        return runner.Batch(folder, fork=True), {"imports": ("torch",)}
+    return runner.Batch(folder, fork=how == "forked"), {}
+
+
+def served(how: str, request) -> int:
+    """How many sessions the test's own fork server forked (0 where it has none)."""
+    return request.getfixturevalue("fork_server").served() if how == "served" else 0
+
+
 # ---- no ranks ----------------------------------------------------------------------------------------------------
 
 def test_reset_puts_back_what_a_run_leaves_in_the_process(monkeypatch):
@@ -102,10 +132,10 @@ def test_runs_share_one_launch_and_start_from_the_same_random_state(tmp_path, fo
 
 @pytest.mark.distributed
 @pytest.mark.stack("latest")  # the runner's own behaviour: one stack is enough (CI time)
-@pytest.mark.parametrize("fork", [False, True], ids=["torchrun", "forked"])
-def test_a_run_that_hangs_fails_alone_and_the_others_still_run(tmp_path, fork):
-    batch = runner.Batch(tmp_path, fork=fork)
-    before, hung, after = probe("before"), probe("hung", "--hang", "1", timeout=5), probe("after")
+@pytest.mark.parametrize("how", HOW)
+def test_a_run_that_hangs_fails_alone_and_the_others_still_run(tmp_path, how, request):
+    batch, uses = started(how, tmp_path, request)
+    before, hung, after = probe("before", **uses), probe("hung", "--hang", "1", timeout=5, **uses), probe("after", **uses)
     batch.add(before, hung, after)
     batch.run()
     assert [r["sum"] for r in batch.result(before)] == [3.0, 3.0]
@@ -114,6 +144,7 @@ def test_a_run_that_hangs_fails_alone_and_the_others_still_run(tmp_path, fork):
     assert batch.outcome(hung).error.tail.startswith("timed out after 5 s")
     assert [r["sum"] for r in batch.result(after)] == [3.0, 3.0]
     assert launches(batch) == ["launch0", "launch1"]  # a fresh launch for the run after the hang
+    assert served(how, request) == (2 if how == "served" else 0)  # the server's hung session was killed, as a launcher
     # the killed ranks' DeepSpeed segments (none here: the probe uses no DeepSpeed) would be gone: the launcher
     # removes every segment of the session's port once a launch has ended, however it ended
     master = json.loads((batch.root / "session-2" / "launch0" / "master.json").read_text())
@@ -122,10 +153,11 @@ def test_a_run_that_hangs_fails_alone_and_the_others_still_run(tmp_path, fork):
 
 @pytest.mark.distributed
 @pytest.mark.stack("latest")  # the runner's own behaviour: one stack is enough (CI time)
-@pytest.mark.parametrize("fork", [False, True], ids=["torchrun", "forked"])
-def test_a_run_that_crashes_fails_alone_with_its_own_cause(tmp_path, fork):
-    batch = runner.Batch(tmp_path, fork=fork)
-    runs = [probe("first"), probe("raises", "--raise", "1"), probe("exits", "--exit", "0"), probe("last")]
+@pytest.mark.parametrize("how", HOW)
+def test_a_run_that_crashes_fails_alone_with_its_own_cause(tmp_path, how, request):
+    batch, uses = started(how, tmp_path, request)
+    runs = [probe("first", **uses), probe("raises", "--raise", "1", **uses), probe("exits", "--exit", "0", **uses),
+            probe("last", **uses)]
     batch.add(*runs)
     batch.run()
     first, raises, exits, last = (batch.outcome(r) for r in runs)
@@ -134,25 +166,28 @@ def test_a_run_that_crashes_fails_alone_with_its_own_cause(tmp_path, fork):
     assert raises.error.tail.startswith("rank 1:")
     assert "failed on 2 rank(s)" in str(exits.error) and "raised on purpose" not in exits.error.tail
     assert launches(batch) == ["launch0", "launch1", "launch2"]
+    assert served(how, request) == (3 if how == "served" else 0)  # each launch's exit code came through the server
 
 
 @pytest.mark.distributed  # the full tier's (8 s: a torchrun launch beside the forked one; issue 68)
-def test_forked_ranks_see_the_environment_torchrun_gives_its_ranks(tmp_path):
+def test_forked_ranks_see_the_environment_torchrun_gives_its_ranks(tmp_path, request):
     """``zerofix check`` forks its ranks after one import (``session.fork_ranks``); the suite's matrices launch them
     with torchrun. A rank sees the same variables either way, with the same values but for the run's own (its port,
     its id), the store's host (rank 0 without torchrun's agent) and the agent's error file."""
     own = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
            "TORCHELASTIC_SIGNALS_TO_HANDLE"}
     seen = {}
-    for fork in (False, True):
-        batch = runner.Batch(tmp_path / str(fork), fork=fork)
-        request = probe("env")
-        seen[fork] = [r["launch_env"] for r in batch.result(request)]
-    for rank, (torchrun, forked) in enumerate(zip(seen[False], seen[True], strict=True)):
-        assert set(forked) == set(torchrun) - {"TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE"}
-        assert {k: v for k, v in forked.items() if k not in own} == {k: v for k, v in torchrun.items() if k not in own}
-        assert forked["RANK"] == forked["LOCAL_RANK"] == str(rank) and forked["WORLD_SIZE"] == "2"
-        assert (torchrun["TORCHELASTIC_USE_AGENT_STORE"], forked["TORCHELASTIC_USE_AGENT_STORE"]) == ("True", "False")
+    for how in HOW:  # forked by their session's own interpreter, and by one the fork server forked
+        batch, uses = started(how, tmp_path / how, request)
+        seen[how] = [r["launch_env"] for r in batch.result(probe("env", **uses))]
+    assert served("served", request) == 1
+    for forked_by in ("forked", "served"):
+        for rank, (torchrun, forked) in enumerate(zip(seen["torchrun"], seen[forked_by], strict=True)):
+            assert set(forked) == set(torchrun) - {"TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE"}
+            assert ({k: v for k, v in forked.items() if k not in own}
+                    == {k: v for k, v in torchrun.items() if k not in own}), forked_by
+            assert forked["RANK"] == forked["LOCAL_RANK"] == str(rank) and forked["WORLD_SIZE"] == "2"
+            assert (torchrun["TORCHELASTIC_USE_AGENT_STORE"], forked["TORCHELASTIC_USE_AGENT_STORE"]) == ("True", "False")
 
 
 @pytest.mark.distributed
@@ -287,7 +322,10 @@ def test_records_do_not_depend_on_the_runs_before(tmp_path):
                 for r in jobs.plan(plan.job(name), rows, checked.ranks(name), 300, tmp_path / "work", None).requests]
     forward = runner.Batch(tmp_path / "forward", fork=True)  # forked ranks, as zerofix check runs them
     forward.add(*requests)
+    before = launch.fork_server.served() if launch.fork_server is not None else None
     forward.run()
+    # the suite's fork server forked these sessions (unless --no-fork-server): what follows holds its sessions too
+    assert before is None or launch.fork_server.served() > before
     backward = runner.Batch(tmp_path / "backward", together=False)
     backward.add(*reversed(requests))
     backward.run()

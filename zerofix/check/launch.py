@@ -113,6 +113,12 @@ SESSION = "zerofix.check.session"
 _START = "[zerofix session] start "
 
 
+# A forked session's interpreter start, stood in for by a process that imported the libraries already
+# (``zerofix.check.host.forkserver.Pool``, which the test suite sets: dozens of sessions, 8 - 12 CPU s of imports
+# each); None: every session starts its own interpreter, as ``zerofix check`` does.
+fork_server = None
+
+
 def run_session(runs: list[Request], *, nproc: int, session_dir: Path, env: dict | None = None,
                 python: str = sys.executable,
                 imports=(), patched_modules: bool = True, poll: float = 0.1, on_start=None,
@@ -178,9 +184,12 @@ def _watch(cmd, pending, outcomes, ended, *, nproc, folder, env, poll, on_start)
     ranks_of = [{r.rank} if r.rank is not None else set(range(nproc)) for r in pending]
     finished, announced = set(), set()
     with open(log, "w") as out:
+        full_env = scenario_env({"LOCAL_SIZE": str(nproc), **(env or {})})
         try:
-            proc = subprocess.Popen(cmd, env=scenario_env({"LOCAL_SIZE": str(nproc), **(env or {})}), stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = fork_server.start(cmd, full_env, str(log)) if fork_server is not None else None
+            if proc is None:
+                proc = subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
         except OSError as exc:
             return finished, None, LaunchError(f"could not start {cmd[0]}: {exc}")
         try:
