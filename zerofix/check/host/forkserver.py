@@ -55,11 +55,10 @@ class Forked:
 
 
 class Server:
-    """One server process (its ``python``, its ``env``) and the thread that reads its answers."""
+    """One server process (started by ``python`` with ``env``) and the thread that reads its answers."""
 
     def __init__(self, python: str, env: dict):
-        self.python, self.env = python, dict(env)
-        self.proc = subprocess.Popen([python, "-u", "-m", __name__], env=self.env, stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([python, "-u", "-m", __name__], env=dict(env), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, start_new_session=True)
         self.served = 0
         self._forked: queue.Queue = queue.Queue()
@@ -95,7 +94,8 @@ class Server:
                 return None
             try:
                 pid = self._forked.get(timeout=300)  # the first request waits for the server's imports
-            except queue.Empty:
+            except queue.Empty:  # stopped, so that a late answer is never taken for the next request's
+                self.proc.kill()
                 return None
         if pid is None:
             return None
@@ -159,7 +159,7 @@ class Pool:
 def servable(cmd: list[str]) -> bool:
     """A forked session whose plan imports the libraries (``python -u -m zerofix.check.session --plan P ... --fork N``
     with the plan's ``patched_modules`` true)."""
-    if cmd[1:4] != ["-u", "-m", SESSION] or "--fork" not in cmd or "--plan" not in cmd:
+    if cmd[1:4] != ["-u", "-m", SESSION] or "--fork" not in cmd:
         return False
     try:
         with open(cmd[cmd.index("--plan") + 1]) as f:
@@ -223,7 +223,7 @@ def _session(session, request: dict) -> None:
         session.main(list(request["argv"]))  # --fork: its process ends in fork_ranks, its ranks in finish()
         code = 0
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1  # as the interpreter
     except BaseException:
         import traceback
 
