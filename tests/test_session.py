@@ -192,6 +192,21 @@ def test_forked_ranks_see_the_environment_torchrun_gives_its_ranks(tmp_path, req
 
 @pytest.mark.distributed
 @pytest.mark.stack("latest")  # the runner's own behaviour: one stack is enough (CI time)
+def test_a_fork_server_of_an_old_environment_gives_its_place_to_the_new_one(tmp_path, fork_server, monkeypatch):
+    """The tests' process changes its environment now and then (a session is served only its server's exact
+    environment): a session of a new one takes the place of an idle server, and still gets its ranks."""
+    fork_server.limit = 1
+    for value in ("old", "new"):
+        monkeypatch.setenv("ZF_TEST_ENVIRONMENT", value)
+        assert [r["sum"] for r in runner.Batch(tmp_path / value, fork=True).result(
+            probe(value, imports=("torch",)))] == [3.0, 3.0]
+    assert fork_server.served() == 2
+    ((_, environment),) = fork_server.servers
+    assert dict(environment)["ZF_TEST_ENVIRONMENT"] == "new"
+
+
+@pytest.mark.distributed
+@pytest.mark.stack("latest")  # the runner's own behaviour: one stack is enough (CI time)
 def test_a_one_process_run_that_crashes_is_told_apart_from_its_neighbour(tmp_path):
     """Two one-process runs under way at once, one per rank: the one that raised fails, the other runs again (in
     the fresh launch with the group run)."""

@@ -60,7 +60,7 @@ class Server:
     def __init__(self, python: str, env: dict):
         self.proc = subprocess.Popen([python, "-u", "-m", __name__], env=dict(env), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, start_new_session=True)
-        self.served = 0
+        self._pids: list[int] = []  # the sessions it forked
         self._forked: queue.Queue = queue.Queue()
         self._codes: dict[int, int] = {}
         self._ended = threading.Condition()
@@ -99,8 +99,13 @@ class Server:
                 return None
         if pid is None:
             return None
-        self.served += 1
+        self._pids.append(pid)
         return Forked(pid, self)
+
+    def busy(self) -> bool:
+        """Whether a session it forked is still running (its exit code comes only through this server)."""
+        with self._ended:
+            return self._reader.is_alive() and any(pid not in self._codes for pid in self._pids)
 
     def exit_code(self, pid: int, *, wait: bool = False, timeout: float | None = None):
         with self._ended:
@@ -126,12 +131,15 @@ class Server:
 
 
 class Pool:
-    """Servers by environment, started at the first session that needs one, at most ``limit`` of them (a session
-    past that, or one that is not served, starts as before)."""
+    """Servers by environment, started at the first session that needs one, at most ``limit`` of them: a session of
+    another environment takes the place of the server used longest ago that runs nothing (the tests' own process
+    changes its environment now and then: a later session would otherwise find every place taken); where each is
+    busy, or the session is not served, it starts as before."""
 
     def __init__(self, limit: int = 2):
         self.limit = limit
         self.servers: dict[tuple, Server] = {}
+        self._served = 0
         self._lock = threading.Lock()
 
     def start(self, cmd: list[str], env: dict, log: str) -> Forked | None:
@@ -140,15 +148,23 @@ class Pool:
             return None
         key = (cmd[0], tuple(sorted((k, v) for k, v in env.items() if k not in PER_REQUEST)))
         with self._lock:
-            server = self.servers.get(key)
+            server = self.servers.pop(key, None)
             if server is None:
                 if len(self.servers) >= self.limit:
-                    return None
-                server = self.servers[key] = Server(cmd[0], env)
-        return server.start(cmd[4:], log, os.getcwd(), {k: env.get(k) for k in PER_REQUEST})
+                    idle = next((k for k, s in self.servers.items() if not s.busy()), None)
+                    if idle is None:
+                        return None
+                    self.servers.pop(idle).close()
+                server = Server(cmd[0], env)
+            self.servers[key] = server  # the last used last
+        forked = server.start(cmd[4:], log, os.getcwd(), {k: env.get(k) for k in PER_REQUEST})
+        with self._lock:
+            self._served += forked is not None
+        return forked
 
     def served(self) -> int:
-        return sum(server.served for server in self.servers.values())
+        """How many sessions its servers forked."""
+        return self._served
 
     def close(self) -> None:
         for server in self.servers.values():
