@@ -281,6 +281,21 @@ def test_the_real_exception_of_a_rank_that_died_before_connecting():
     assert launch.real_cause("just a log line that mentions ValueError: x\nand more") is None
 
 
+def test_a_failed_build_is_the_cause_even_where_a_peer_wrote_its_error_first(tmp_path):
+    """CI: rank 1 built DeepSpeed's op and failed; rank 0, waiting on torch's build lock, loaded the missing library and
+    wrote its ImportError first. The report names the build's failure; otherwise the oldest error is the cause."""
+    missing = "Traceback (most recent call last):\nImportError: /ext/deepspeed_shm_comm.so: cannot open shared object"
+    failed = COMPILER_FAILURE.split("ninja: build stopped", 1)[0]  # its CalledProcessError, then the RuntimeError
+    assert "RuntimeError: Error building extension" in failed and "ImportError" not in failed
+    for rank, traceback, when in ((0, missing, 100), (1, failed, 101), (2, "Traceback\nValueError: later", 102)):
+        path = tmp_path / f"error.rank{rank}"
+        path.write_text(json.dumps({"traceback": traceback}))
+        os.utime(path, (when, when))
+    assert launch.first_error(tmp_path) == (1, failed)
+    (tmp_path / "error.rank1").unlink()
+    assert launch.first_error(tmp_path) == (0, missing)
+
+
 def test_without_torch_every_row_is_skipped_and_the_exit_is_0(monkeypatch, capsys):
     monkeypatch.setattr(command, "versions", lambda: {"zerofix": "0", "torch": None, "transformers": None,
                                                       "accelerate": None, "deepspeed": None, "trl": None, "datasets": None})

@@ -234,7 +234,7 @@ def _watch(cmd, pending, outcomes, ended, *, nproc, folder, env, poll, on_start)
             f"{SESSION} failed on {nproc} rank(s) (exit {code}); last lines of the ranks' output:\n"
             + "\n".join(log.read_text(errors="replace").splitlines()[-60:]))
     text = _since_start(log, pending[failed].id)
-    first = _first_error(folder)
+    first = first_error(folder)
     tail = (f"rank {first[0]}:\n" + (real_cause(first[1]) or "\n".join(first[1].splitlines()[-12:])) if first
             else failing_rank_tail(text))
     return finished, failed, LaunchError(
@@ -254,10 +254,16 @@ def _errors(folder: Path) -> list[tuple[float, int, dict]]:
     return sorted(found, key=lambda e: (e[0], e[1]))
 
 
-def _first_error(folder: Path) -> tuple[int, str] | None:
+# torch's C++ extension builder: the one rank that builds raises this; its peers, waiting on the build's lock, then
+# load a library that was never written (ImportError) and may write their error first on a loaded machine
+_FAILED_BUILD = "Error building extension"
+
+
+def first_error(folder: Path) -> tuple[int, str] | None:
     """(rank, traceback) of the first exception: the cause; a peer's later one is usually its consequence (the
-    collective it waited in broke)."""
-    errors = _errors(folder)
+    collective it waited in broke). A failed extension build comes first whenever it was written: it is the cause
+    of its peers' errors, never their consequence."""
+    errors = sorted(_errors(folder), key=lambda e: _FAILED_BUILD not in e[2].get("traceback", ""))  # stable: by time
     return (errors[0][1], errors[0][2].get("traceback", "")) if errors else None
 
 
