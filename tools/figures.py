@@ -226,7 +226,8 @@ MEASUREMENTS = {"status": measure_status, "check-2026-04": measure_check_2026_04
                 "check-quick": measure_check_quick, "own-config": measure_own_config, "trl-rows": measure_trl_rows, "make-test": measure_make_test,
                 "bench": measure_bench, "fresh-clone": measure_fresh_clone}
 
-CI_STEP = re.compile(r"^== (?:\[\w\] )?make (?P<target>[\w-]+) STACK=(?P<stack>[\w.-]+): exit 0 in (?P<s>\d+) s$", re.M)
+# not anchored at a line's start: a pytest run's last output may lack its newline (Triton's nanobind leak report at exit)
+CI_STEP = re.compile(r"== (?:\[\w\] )?make (?P<target>[\w-]+) STACK=(?P<stack>[\w.-]+): exit 0 in (?P<s>\d+) s$", re.M)
 
 
 def from_ci(data, log: str, how: str):
