@@ -19,7 +19,7 @@ resolution = $(if $(wildcard constraints/$(1).overrides),--overrides constraints
 FAST_TIER = -m "not (distributed or slow) or smoke"
 REST_OF_FULL_TIER = -m "(distributed or slow) and not smoke"
 
-.PHONY: check test test-all test-rest venv warm clean bench bench-ds
+.PHONY: check test test-all test-rest tools venv warm clean bench bench-ds
 .PRECIOUS: .venvs/%/.installed $(UV) $(TORCH_WHEELS)/.fetched
 
 # uv installs (about 25 s a stack where pip took about 55: parallel, its cache shared by every stack's build), in a
@@ -40,6 +40,8 @@ export CCACHE_BASEDIR ?= $(CURDIR)
 # may: `python -m venv` seeds it for 10 s a stack
 without_pip = $(if $(filter 2025-12 2025-10 2025-01 2024-11 trl151-ds0154 trl160 trl1100 trl1142,$(1)),--without-pip)
 UV_VERSION = 0.13.9
+# a command the editable install runs under (CI: `flock FILE`, so that builds side by side take turns there)
+BUILD_LOCK ?=
 UV = .venvs/.tools/bin/uv
 TORCH_WHEELS = .venvs/.wheels
 
@@ -59,8 +61,9 @@ $(TORCH_WHEELS)/.fetched:
 	# torch first, the CPU build (pinned by the constraints too)
 	$(UV) pip install -q --python .venvs/$*/bin/python -c constraints/$*.txt \
 		$(TORCH_WHEELS)/torch-2.13.0+cpu-*.whl setuptools wheel
-	# compat: the checkout on sys.path, so a folder named zerofix beside a script cannot shadow the package
-	$(UV) pip install -q --python .venvs/$*/bin/python --no-build-isolation -c constraints/$*.txt \
+	# compat: the checkout on sys.path, so a folder named zerofix beside a script cannot shadow the package. The one
+	# step that writes in the checkout (zerofix.egg-info): builds side by side (CI) take turns here, through BUILD_LOCK
+	$(BUILD_LOCK) $(UV) pip install -q --python .venvs/$*/bin/python --no-build-isolation -c constraints/$*.txt \
 		$(call resolution,$*) -e '.[$(call extras,$*)]' --config-settings editable_mode=compat
 	# torchaudio's wheels on the registry are CUDA builds (none for torch 2.13): its native libraries cannot load
 	# beside the CPU torch, and without them its Python part imports (LLaMA-Factory imports it at start-up)
@@ -71,6 +74,9 @@ $(TORCH_WHEELS)/.fetched:
 	for f in .venvs/$*/lib/python*/site-packages/torchvision/_meta_registrations.py; do [ ! -f "$$f" ] || sed -i \
 		's/^@torch.library.register_fake("torchvision::\(q\?nms\)")$$/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda fn: fn))/' "$$f"; done
 	touch $@
+
+## The tools every stack's build shares (uv, torch's CPU wheel): built first where builds run side by side
+tools: $(UV) $(TORCH_WHEELS)/.fetched
 
 venv: $(call venv,$(STACK))
 

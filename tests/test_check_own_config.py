@@ -296,6 +296,21 @@ def test_a_failed_build_is_the_cause_even_where_a_peer_wrote_its_error_first(tmp
     assert launch.first_error(tmp_path) == (0, missing)
 
 
+def test_the_raw_output_names_a_failed_build_even_where_a_peers_importerror_came_first():
+    """torchrun's output, where the peer waiting on torch's build lock printed its ImportError before the building
+    rank's failure: the build is still the cause. Without one, the first exception is."""
+    building = COMPILER_FAILURE.split("\nTraceback (most recent call last):\n  File \"/venv/lib/python3.11/site-packages/"
+                                      "deepspeed", 1)[0]
+    missing = ("Traceback (most recent call last):\n  File \"/venv/lib/python3.11/site-packages/deepspeed/ops/op_builder/"
+               "builder.py\", line 530, in load\nImportError: /tmp/ext/deepspeed_shm_comm.so: cannot open shared object file\n")
+    assert "ImportError" not in building and "Error building extension" in building
+    assert launch.real_cause(missing + building) == (
+        "RuntimeError: Error building extension 'deepspeed_shm_comm': [1/3] /nonexistent/c++ -MMD -MF "
+        "shm_interface.o.d\n/bin/sh: 1: /nonexistent/c++: not found")
+    later = "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\nValueError: later\n"
+    assert launch.real_cause(missing + later) == "ImportError: /tmp/ext/deepspeed_shm_comm.so: cannot open shared object file"
+
+
 def test_without_torch_every_row_is_skipped_and_the_exit_is_0(monkeypatch, capsys):
     monkeypatch.setattr(command, "versions", lambda: {"zerofix": "0", "torch": None, "transformers": None,
                                                       "accelerate": None, "deepspeed": None, "trl": None, "datasets": None})

@@ -477,8 +477,16 @@ _BUILD_LINE = re.compile(r"(: not found$|: error: |fatal error|command not found
 
 def real_cause(output: str, limit: int = 300) -> str | None:
     """The first exception a rank raised, from the raw output (the rank that failed first is the cause; the
-    others usually fail because of it), with the build tool's own line when a C++ extension did not build.
-    None when the output holds no traceback."""
+    others usually fail because of it), with the build tool's own line when a C++ extension did not build. A failed
+    extension build is the cause wherever it was printed (as in ``first_error``): a peer waiting on torch's build lock
+    loads the library that was never written and may print its ImportError first. None when the output holds no
+    traceback."""
+    causes = list(_exceptions(output, limit))
+    return next((text for text in causes if _FAILED_BUILD in text), causes[0] if causes else None)
+
+
+def _exceptions(output: str, limit: int):
+    """Each traceback's own exception line in the output, in order, with its build tool's line where there is one."""
     lines = output.splitlines()
     for i, line in enumerate(lines):
         match = _EXCEPTION_LINE.match(line.strip())
@@ -491,5 +499,4 @@ def real_cause(output: str, limit: int = 300) -> str | None:
         text = match.group(0) if not line.startswith("[rank") else line.split(":", 1)[1].strip()
         text = text if len(text) <= limit else text[:limit - 3] + "..."
         build = next((l.strip() for l in lines[i:i + 60] if _BUILD_LINE.search(l.strip())), None)
-        return text + (f"\n{build}" if build else "")
-    return None
+        yield text + (f"\n{build}" if build else "")
