@@ -138,6 +138,8 @@ def pytest_unconfigure(config):
     if launch.fork_server is not None:
         launch.fork_server.close()
         launch.fork_server = None
+    if "preimported" in sys.modules:  # run_python's servers (a prelude's)
+        sys.modules["preimported"].close()
 
 
 def pytest_report_header(config):
@@ -239,12 +241,20 @@ def stack(request):
 
 
 def run_python(code: str, *, env: dict | None = None, cwd=None, timeout: float = 120,
-               check: bool = True, args=()) -> subprocess.CompletedProcess:
-    """Run a snippet in a fresh interpreter (the one running the tests), ZEROFIX_* cleared unless given."""
+               check: bool = True, args=(), prelude: str | None = None) -> subprocess.CompletedProcess:
+    """Run a snippet in a fresh interpreter (the one running the tests), ZEROFIX_* cleared unless given. ``prelude``:
+    the program is ``prelude + code``, forked from a server that ran the prelude once (tests/preimported.py): for a
+    test that runs one program many times, its imports in the prelude."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("ZEROFIX", "_ZEROFIX"))}
     full_env.update(env or {})
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=full_env, cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+    if prelude is not None:
+        import preimported
+
+        proc = preimported.run(textwrap.dedent(prelude), textwrap.dedent(code), env=full_env, cwd=cwd, args=args,
+                               timeout=timeout)
+    else:
+        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=full_env, cwd=cwd,
+                              capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"subprocess failed ({proc.returncode}):\nSTDOUT:\n{proc.stdout}\nSTDERR:\n{proc.stderr}")
     return proc

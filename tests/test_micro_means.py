@@ -51,14 +51,16 @@ def test_which_counts_changed():
     assert differing([a, [("mean", 2)]]) == []  # graphs of different shapes: nothing to compare
 
 
-SCRIPT = r"""
+# the program's imports, run once per environment by run_python's server (tests/preimported.py): 7.5 s of each run
+PRELUDE = r"""
 import json, logging, sys, tempfile
 import torch, torch.nn.functional as F
 import zerofix
 zerofix.patch()
 from transformers import Trainer, TrainingArguments
 from zerofix.check import models
-
+"""
+SCRIPT = r"""
 records = []
 class Capture(logging.Handler):
     def emit(self, record):
@@ -188,13 +190,13 @@ def run(kind, nproc=1, extra_env=None):
         from pathlib import Path
 
         script = Path(tempfile.mkdtemp()) / "means.py"
-        script.write_text(SCRIPT)
+        script.write_text(PRELUDE + SCRIPT)
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                                str(nproc), str(script), kind], env={**_plain_env(), **env, "OMP_NUM_THREADS": "1"},
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
     else:
-        proc = run_python(SCRIPT, args=(kind,), env=env, timeout=300)
+        proc = run_python(SCRIPT, prelude=PRELUDE, args=(kind,), env=env, timeout=300)
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
     return json.loads(line[len("RESULT"):])
 

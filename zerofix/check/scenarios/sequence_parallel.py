@@ -110,7 +110,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", default='[{"zero": 2, "gas": 2}]',
                         help="JSON list of cells: zero, gas, bs (1), sp (2), lr (1.0), loss_func (false), "
-                             "reduce_scatter (true), smoothing (0.0: the Trainer's label_smoothing_factor)")
+                             "reduce_scatter (true), smoothing (0.0: the Trainer's label_smoothing_factor), "
+                             "variants (a list: this cell's own in place of --variants)")
     parser.add_argument("--variants", default="unpatched,patched",
                         help="comma-separated, in order, one Trainer each per cell: unpatched, patched")
     parser.add_argument("--out", required=True, help="a folder: result.jsonl (rank 0) and rank<N>.error")
@@ -125,9 +126,11 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     _gather_a_scalar_on_gloo()
     for cell in json.loads(args.cells):
+        # a cell's own variants: a run that stops (upstream on 4 gloo ranks) can come last in the launch of the others
+        variants = cell.pop("variants", args.variants.split(","))
         cell = {"bs": 1, "sp": 2, "lr": 1.0, "loss_func": False, "reduce_scatter": True, "added_term": False,
                 "smoothing": 0.0, "backend": args.backend, **cell}
-        for variant in args.variants.split(","):
+        for variant in variants:
             if variant == "patched":
                 zerofix.patch()
             try:
