@@ -415,7 +415,7 @@ def test_environment_activation_reaches_every_rank_and_logs_once_per_engine(tmp_
 def test_the_flush_communicates_exactly_what_a_boundary_backward_does(tmp_path):
     """benchmarks/bench_deepspeed_accumulation.py counts every torch.distributed collective (calls and
     elements) of one window; zerofix's lazy boundary must match DeepSpeed's own boundary on every stage.
-    The timings it also prints are the benchmark's business, not this test's."""
+    The timings it also measures are the benchmark's business, not this test's: it runs the counting part only."""
     import json
     import subprocess
     import sys
@@ -425,7 +425,7 @@ def test_the_flush_communicates_exactly_what_a_boundary_backward_does(tmp_path):
     out = tmp_path / "bench.json"
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_deepspeed_accumulation.py"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(bench), str(out)], env=scenario_env({"BENCH_CALLS": "500", "BENCH_WINDOWS": "1"}),
+                           str(bench), str(out)], env=scenario_env({"BENCH_PARTS": "collectives"}),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for stage, rows in json.loads(out.read_text())["collectives"].items():
