@@ -183,7 +183,7 @@ if WORLD > 1:  # barrier, leave the group, no interpreter teardown: gloo's threa
 
 def run(kind, nproc=1, extra_env=None):
     env = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", **(extra_env or {})}
-    if nproc > 1:  # the same script under torchrun, gloo: rank 0 prints
+    if nproc > 1:  # the same script on ranks forked after one import (zerofix.check.forkrun, torchrun's stand-in), gloo
         import subprocess
         import sys
         import tempfile
@@ -191,9 +191,10 @@ def run(kind, nproc=1, extra_env=None):
 
         script = Path(tempfile.mkdtemp()) / "means.py"
         script.write_text(PRELUDE + SCRIPT)
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                               str(nproc), str(script), kind], env={**_plain_env(), **env, "OMP_NUM_THREADS": "1"},
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([sys.executable, "-m", "zerofix.check.forkrun", str(nproc), "--import",
+                               "transformers.trainer", str(script), kind],
+                              env={**_plain_env(), **env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                              timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
     else:
         proc = run_python(SCRIPT, prelude=PRELUDE, args=(kind,), env=env, timeout=300)

@@ -69,8 +69,11 @@ def launch(tmp_path, nproc: int, cells: list[dict], variants: str) -> tuple[list
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZEROFIX", "_ZEROFIX"))}
     ranks_env = scenario_env()
     env.update(TORCH_EXTENSIONS_DIR=ranks_env["TORCH_EXTENSIONS_DIR"], PATH=ranks_env["PATH"])
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           str(nproc), "-m", "zerofix.check.scenarios.sequence_parallel", "--out", str(out),
+    # the ranks forked after one import (zerofix.check.forkrun, torchrun's stand-in: 9 CPU s of imports a rank saved;
+    # forked ranks train as torchrun's, tests/test_session.py); a rank that stops stops the others, as under torchrun
+    proc = subprocess.run([sys.executable, "-m", "zerofix.check.forkrun", str(nproc), "--import",
+                           "deepspeed,transformers.trainer", "-m",
+                           "zerofix.check.scenarios.sequence_parallel", "--out", str(out),
                            "--variants", variants, "--cells", json.dumps(cells)],
                           env=env, capture_output=True, text=True, timeout=600)
     results = [json.loads(line) for line in (out / "result.jsonl").read_text().splitlines()] \

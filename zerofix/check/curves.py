@@ -65,7 +65,9 @@ def run_curves(rows: list[dict], nproc: int, workdir: Path, timeout: float) -> l
         ranks = 1 if plan.JOBS[job_name].ranks == "1" else nproc
         planned[job_name] = (_deepspeed_curves if job_name == "deepspeed" else _gas_curves)(
             job_name, job_rows, ranks, timeout, jobs)
-    batch = runner.Batch(workdir)
+    # its ranks forked after one import, as the check's own runs are (measure.run): torchrun's agent and a fresh
+    # interpreter per rank cost 25 CPU s of imports for a figure of a few seconds' training
+    batch = runner.Batch(workdir, fork=True)
     batch.add(*(request for request, _ in planned.values()))
     batch.run()
     curves = []
